@@ -1,0 +1,243 @@
+"""The contract a task declares, and its validation when the task class is created.
+
+Every ExplicitTask states, on the task itself: the idempotency key of its effect, the
+lease on its message (``visibility_timeout``) beside how long a normal run takes
+(``expected_duration``), and which errors retry and which are permanent. A missing or
+contradictory declaration is refused here, naming the task and the field, so it fails
+when the code is imported (or when Celery finalizes the app for decorator-declared
+tasks; ``manage.py check`` and worker start-up force that), never at 3 a.m.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Task
+
+from celery_explicit import idempotency
+from celery_explicit.errors import ContractError
+from celery_explicit.retry_policy import RetryPolicy, Unclassified
+
+#: A lease must cover at least this multiple of a normal run: a run twice as slow as
+#: usual (a slow downstream, a GC pause) must still not be handed to a second worker.
+SAFE_MARGIN_FACTOR = 2.0
+
+REQUIRED = ("idempotency_key", "visibility_timeout", "expected_duration", "retry_on", "fail_on")
+
+DEFAULTS: Mapping[str, Any] = {
+    "unclassified": Unclassified.PERMANENT,
+    "max_attempts": 5,
+    "backoff_base": 1.0,
+    "backoff_cap": 60.0,
+}
+
+#: Celery options that would quietly undo a contract, with what to declare instead.
+REFUSED_CELERY_OPTIONS: Mapping[str, str] = {
+    "autoretry_for": "declare retry_on / fail_on instead",
+    "retry_backoff": "declare backoff_base instead",
+    "retry_backoff_max": "declare backoff_cap instead",
+    "retry_jitter": "ExplicitTask always uses full jitter",
+    "retry_kwargs": "declare max_attempts / backoff_base / backoff_cap instead",
+    "max_retries": "declare max_attempts instead (it counts the first attempt)",
+    "default_retry_delay": "declare backoff_base instead",
+}
+
+#: Celery options an ExplicitTask fixes, and the only value it accepts.
+FIXED_CELERY_OPTIONS: Mapping[str, tuple[object, str]] = {
+    "acks_late": (True, "the message is acknowledged only after the handler finished"),
+    "reject_on_worker_lost": (True, "a job whose worker died must be delivered again"),
+    "serializer": ("json", "a pickled message from the broker is code execution"),
+}
+
+# Keys Celery itself puts in the class dict of a decorator-declared task.
+_CELERY_DECORATOR_KEYS = frozenset({
+    "app", "name", "run", "_decorated", "__doc__", "__module__", "__qualname__",
+    "__header__", "__wrapped__", "__annotations__", "_decorated_fun", "_dump_pydantic_arguments",
+})
+_CELERY_TASK_ATTRS = frozenset(dir(Task))
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a task declared, normalized. ``task.contract`` holds one per task class."""
+
+    task_name: str
+    idempotency_key: idempotency.KeyDeclaration
+    visibility_timeout: float
+    expected_duration: float
+    retry: RetryPolicy
+    run_parameters: tuple[str, ...]
+    run_takes_kwargs: bool
+
+
+def declared_names() -> frozenset[str]:
+    return frozenset(REQUIRED) | frozenset(DEFAULTS)
+
+
+def run_signature(cls: type) -> tuple[inspect.Signature, bool]:
+    """``run()``'s signature without ``self``, and whether it binds ``self``."""
+    for klass in cls.__mro__:
+        raw = klass.__dict__.get("run")
+        if raw is None:
+            continue
+        if isinstance(raw, staticmethod):
+            return inspect.signature(raw.__func__), False
+        sig = inspect.signature(raw)
+        params = list(sig.parameters.values())[1:]
+        return sig.replace(parameters=params), True
+    raise TypeError(f"{cls!r} has no run()")
+
+
+def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
+    """Validate ``cls``'s declarations; raise ContractError naming the task and field."""
+    name = str(getattr(cls, "name", None) or f"{cls.__module__}.{cls.__qualname__}")
+
+    def refuse(message: str, field: str) -> ContractError:
+        return ContractError(name, message, field=field)
+
+    _refuse_unknown_options(name, namespace, refuse)
+    for option, hint in REFUSED_CELERY_OPTIONS.items():
+        if option in namespace:
+            raise refuse(f"option {option!r} is not used by ExplicitTask: {hint}", option)
+    for option, (value, why) in FIXED_CELERY_OPTIONS.items():
+        if option in namespace and namespace[option] != value:
+            raise refuse(f"{option}={namespace[option]!r} is refused; ExplicitTask needs "
+                         f"{option}={value!r}: {why}", option)
+
+    missing = [field for field in REQUIRED if getattr(cls, field, None) is None]
+    if missing:
+        raise refuse(f"missing declaration {missing[0]!r} (every ExplicitTask declares "
+                     f"{', '.join(REQUIRED)})", missing[0])
+
+    sig, _ = run_signature(cls)
+    params = tuple(p.name for p in sig.parameters.values()
+                   if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+
+    key = _key_declaration(cls)
+    _check_key_fields(key, params, takes_kwargs, refuse)
+
+    visibility = _positive(getattr(cls, "visibility_timeout"), "visibility_timeout", refuse)
+    expected = _positive(getattr(cls, "expected_duration"), "expected_duration", refuse)
+    if visibility < expected * SAFE_MARGIN_FACTOR:
+        raise refuse(
+            f"visibility_timeout={visibility:g}s leaves no safe margin over "
+            f"expected_duration={expected:g}s: declare at least "
+            f"{expected * SAFE_MARGIN_FACTOR:g}s ({SAFE_MARGIN_FACTOR:g}x), or a second "
+            "worker may take the job while the first still runs", "visibility_timeout")
+
+    retry_on = _exception_classes(getattr(cls, "retry_on"), "retry_on", refuse)
+    fail_on = _exception_classes(getattr(cls, "fail_on"), "fail_on", refuse)
+    both = [k.__name__ for k in retry_on if k in fail_on]
+    if both:
+        raise refuse(f"{both[0]} is declared both retryable (retry_on) and permanent "
+                     "(fail_on): pick one", "fail_on")
+
+    raw_unclassified = getattr(cls, "unclassified", DEFAULTS["unclassified"])
+    try:
+        unclassified = Unclassified(getattr(raw_unclassified, "value", raw_unclassified))
+    except ValueError:
+        raise refuse(f"unclassified={raw_unclassified!r}: choose 'permanent' or 'retry'",
+                     "unclassified") from None
+
+    max_attempts = getattr(cls, "max_attempts", DEFAULTS["max_attempts"])
+    if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
+        raise refuse(f"max_attempts={max_attempts!r} must be an integer >= 1 "
+                     "(it counts the first attempt)", "max_attempts")
+    base = _positive(getattr(cls, "backoff_base", DEFAULTS["backoff_base"]),
+                     "backoff_base", refuse)
+    cap = _positive(getattr(cls, "backoff_cap", DEFAULTS["backoff_cap"]), "backoff_cap", refuse)
+    if cap < base:
+        raise refuse(f"backoff_cap={cap:g}s is below backoff_base={base:g}s", "backoff_cap")
+
+    return Contract(
+        task_name=name,
+        idempotency_key=key,
+        visibility_timeout=visibility,
+        expected_duration=expected,
+        retry=RetryPolicy(retry_on=retry_on, fail_on=fail_on, unclassified=unclassified,
+                          max_attempts=max_attempts, backoff_base=base, backoff_cap=cap),
+        run_parameters=params,
+        run_takes_kwargs=takes_kwargs,
+    )
+
+
+Refuse = Callable[[str, str], ContractError]
+
+
+def _refuse_unknown_options(name: str, namespace: Mapping[str, Any], refuse: Refuse) -> None:
+    known = declared_names() | _CELERY_TASK_ATTRS | _CELERY_DECORATOR_KEYS
+    decorated = bool(namespace.get("_decorated"))
+    for option in namespace:
+        if option in known or option.startswith("__"):
+            continue
+        close = difflib.get_close_matches(option, sorted(known - _CELERY_DECORATOR_KEYS),
+                                          n=1, cutoff=0.75)
+        # A decorator's keyword arguments are all options, so any unknown one is a typo.
+        # A class body may hold the task's own helpers: refuse only near-misses there.
+        if decorated or close:
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise refuse(f"unknown option {option!r}{hint}", option)
+
+
+def _key_declaration(cls: type) -> idempotency.KeyDeclaration:
+    # Read through the MRO's __dict__: a function stored on the class would otherwise
+    # come back as a bound method and take the task as its first argument.
+    for klass in cls.__mro__:
+        if "idempotency_key" in klass.__dict__:
+            raw = klass.__dict__["idempotency_key"]
+            if isinstance(raw, staticmethod):
+                raw = raw.__func__
+            if isinstance(raw, str) or callable(raw):
+                return raw  # type: ignore[no-any-return]
+            break
+    raise ContractError(str(getattr(cls, "name", cls.__qualname__)),
+                        "idempotency_key must be a template string like "
+                        "'payment:{payment_id}:capture' or a callable",
+                        field="idempotency_key")
+
+
+def _check_key_fields(key: idempotency.KeyDeclaration, params: tuple[str, ...],
+                      takes_kwargs: bool, refuse: Refuse) -> None:
+    if isinstance(key, str):
+        if not key.strip():
+            raise refuse("idempotency_key is empty", "idempotency_key")
+        try:
+            fields = idempotency.template_fields(key)
+        except ValueError as exc:
+            raise refuse(f"idempotency_key {key!r}: {exc}", "idempotency_key") from None
+        if not fields:
+            raise refuse(f"idempotency_key {key!r} has no field: every message would "
+                         "share one key; build it from the business identity, e.g. "
+                         "'payment:{payment_id}:capture'", "idempotency_key")
+    else:
+        fields, key_takes_kwargs = idempotency.callable_fields(key)
+        if key_takes_kwargs and not fields:
+            return
+    unknown = [f for f in fields if f not in params]
+    if unknown and not takes_kwargs:
+        raise refuse(f"idempotency_key field {unknown[0]!r} is not a parameter of run() "
+                     f"(parameters: {', '.join(params) or 'none'})", "idempotency_key")
+
+
+def _positive(value: object, field: str, refuse: Refuse) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise refuse(f"{field}={value!r} must be a positive number of seconds", field)
+    return float(value)
+
+
+def _exception_classes(value: object, field: str,
+                       refuse: Refuse) -> tuple[type[BaseException], ...]:
+    if isinstance(value, type):
+        value = (value,)
+    if not isinstance(value, tuple | list):
+        raise refuse(f"{field}={value!r} must be a tuple of exception classes "
+                     "(an empty tuple says 'none')", field)
+    for item in value:
+        if not (isinstance(item, type) and issubclass(item, BaseException)):
+            raise refuse(f"{field} holds {item!r}, which is not an exception class", field)
+    return tuple(value)

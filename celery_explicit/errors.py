@@ -1,0 +1,77 @@
+"""Exceptions of celery_explicit, grouped by what the caller should do about them.
+
+``ExplicitError`` is the root. Do not raise it directly: raise the subclass that says
+what happened, so that an operator reading a dead letter knows which of the three
+layers (delivery, execution, effect) went wrong.
+"""
+
+from __future__ import annotations
+
+from django.core.exceptions import ImproperlyConfigured
+
+
+class ExplicitError(Exception):
+    """Root of every exception raised by celery_explicit. Do not raise directly."""
+
+
+# --- configuration: fix the code or the settings, nothing to retry -----------------
+
+
+class ContractError(ExplicitError, ImproperlyConfigured):
+    """A task's declared contract is missing a field or contradicts itself.
+
+    Raised when the task class is created (or, for decorator-declared tasks, when the
+    Celery app is finalized) and by ``manage.py check``.
+    """
+
+    def __init__(self, task_name: str, message: str, *, field: str | None = None) -> None:
+        self.task_name = task_name
+        self.field = field
+        super().__init__(f"Task {task_name}: {message}")
+
+
+# --- permanent for this message: dead-letter it, never retry ------------------------
+
+
+class BadInput(ExplicitError):
+    """A delivered message cannot be executed as sent (arguments, key fields, body).
+
+    The message goes to the dead letters on its first delivery and is never retried.
+    """
+
+    def __init__(self, task_name: str, message: str) -> None:
+        self.task_name = task_name
+        super().__init__(f"Task {task_name}: {message}")
+
+
+class IdempotencyConflict(ExplicitError):
+    """An effect with this idempotency key was already applied with other arguments.
+
+    Neither applied again nor silently dropped: the message goes to the dead letters
+    with reason ``conflict`` so an operator decides.
+    """
+
+    def __init__(self, key: str, *, stored_fingerprint: str, fingerprint: str) -> None:
+        self.key = key
+        self.stored_fingerprint = stored_fingerprint
+        self.fingerprint = fingerprint
+        super().__init__(
+            f"Idempotency key {key!r} was already applied with different arguments "
+            f"(stored fingerprint {stored_fingerprint[:12]}, this message {fingerprint[:12]})"
+        )
+
+
+# --- retryable: a handler may raise this to ask for a retry at a given time ----------
+
+
+class RetryAfter(ExplicitError):
+    """Raised by a handler (or subclassed by a downstream error) to retry after a delay.
+
+    Any exception with a numeric ``retry_after`` attribute (seconds) gets the same
+    treatment when its class is in the task's ``retry_on``; this class is retryable by
+    itself, whatever the task declares, because raising it is an explicit decision.
+    """
+
+    def __init__(self, retry_after: float, message: str = "") -> None:
+        self.retry_after = float(retry_after)
+        super().__init__(message or f"retry requested after {self.retry_after:g}s")

@@ -1,0 +1,102 @@
+"""Idempotency keys: the business identity of an effect, rendered from a task's arguments.
+
+A key like ``payment:{payment_id}:capture`` names *the effect*, not the message: a retry,
+a redelivery or a replay of the same capture renders the same key, so the effect ledger
+(``django_outbox.ledger``) can apply it once. A key must therefore be built only from
+arguments that identify the business operation, never from a task id, a timestamp or a
+random value; that is why template fields must be parameters of ``run()``.
+
+The fingerprint covers *all* arguments: the same key arriving with other arguments
+(another amount for the same payment) is a conflict an operator must see.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import string
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from celery_explicit.errors import BadInput
+
+#: Message header carrying the rendered key from the moment of publishing.
+KEY_HEADER = "idempotency_key"
+#: Message header carrying the correlation id (the request that caused the job).
+CORRELATION_HEADER = "correlation_id"
+#: Message header linking a replayed message to its dead letter.
+REPLAY_HEADER = "replay_of"
+
+MAX_KEY_LENGTH = 255
+
+KeyDeclaration = str | Callable[..., str]
+
+
+def template_fields(template: str) -> list[str]:
+    """Root names of the fields in a ``str.format`` template (``{order.id}`` -> ``order``)."""
+    roots: list[str] = []
+    for _literal, field, _spec, _conv in string.Formatter().parse(template):
+        if field is None:
+            continue
+        root = field.split(".", 1)[0].split("[", 1)[0]
+        if not root or root.isdigit():
+            raise ValueError(
+                f"positional field {{{field}}} in {template!r}: name the run() parameter"
+            )
+        roots.append(root)
+    return roots
+
+
+def callable_fields(key: Callable[..., str]) -> tuple[list[str], bool]:
+    """Parameter names a key callable takes, and whether it accepts ``**kwargs``."""
+    params = inspect.signature(key).parameters.values()
+    names = [p.name for p in params
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def render_key(task_name: str, declaration: KeyDeclaration,
+               given: Mapping[str, Any]) -> str:
+    """Render the key from the arguments the caller *gave* (defaults are not identity).
+
+    Raises ``BadInput`` naming the task and the field when a field is missing or None:
+    ``payment:None:capture`` would merge every payment without an id into one effect.
+    """
+    if callable(declaration):
+        names, takes_kwargs = callable_fields(declaration)
+        wanted = given if takes_kwargs else {n: given[n] for n in names if n in given}
+        missing = [n for n in names if n not in given]
+        if missing and not takes_kwargs:
+            raise BadInput(task_name, f"idempotency key field {missing[0]!r} "
+                                      "is missing from the arguments")
+        try:
+            key = declaration(**wanted)
+        except (KeyError, AttributeError, TypeError, ValueError) as exc:
+            raise BadInput(task_name, f"idempotency key callable failed: {exc!r}") from exc
+        if not isinstance(key, str) or not key:
+            raise BadInput(task_name, f"idempotency key callable returned {key!r}, "
+                                      "not a non-empty string")
+    else:
+        for field in template_fields(declaration):
+            if field not in given:
+                raise BadInput(task_name, f"idempotency key field {field!r} is missing "
+                                          f"from the arguments (key {declaration!r})")
+            if given[field] is None:
+                raise BadInput(task_name, f"idempotency key field {field!r} is None "
+                                          f"(key {declaration!r})")
+        try:
+            key = declaration.format(**given)
+        except (KeyError, AttributeError, IndexError, ValueError) as exc:
+            raise BadInput(task_name, f"cannot render idempotency key {declaration!r}: "
+                                      f"{exc!r}") from exc
+    if len(key) > MAX_KEY_LENGTH:
+        raise BadInput(task_name, f"idempotency key is {len(key)} characters, "
+                                  f"longer than {MAX_KEY_LENGTH}: {key[:40]!r}...")
+    return key
+
+
+def fingerprint(arguments: Mapping[str, Any]) -> str:
+    """A stable hash of the call's arguments (JSON, sorted keys; defaults included)."""
+    blob = json.dumps(arguments, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()

@@ -1,0 +1,43 @@
+"""Prometheus metrics. Each name says which layer it counts: delivery, execution, effect.
+
+With the prefork pool every child counts in its own memory: set
+``PROMETHEUS_MULTIPROC_DIR`` before the worker starts and expose the registry with
+``prometheus_client.multiprocess.MultiProcessCollector`` (prometheus_client's docs).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+executions = Counter(
+    "explicit_executions_total",
+    "Executions of a handler (execution layer), by how they ended.",
+    ["task", "outcome"],
+)
+effects_applied = Counter(
+    "explicit_effects_applied_total",
+    "Effects committed with their ledger row (effect layer).",
+    ["task"],
+)
+duplicates_absorbed = Counter(
+    "explicit_idempotency_conflicts_total",
+    "Executions that found their key already in the ledger (effect layer). "
+    "kind=duplicate: same arguments, absorbed; kind=arguments: other arguments, "
+    "dead-lettered.",
+    ["task", "kind"],
+)
+retries_scheduled = Counter(
+    "explicit_retries_scheduled_total",
+    "Retries scheduled after a retryable error (execution layer).",
+    ["task", "error_class"],
+)
+dead_letters = Counter(
+    "explicit_dead_letters_total",
+    "Messages dead-lettered, by reason (delivery or execution layer).",
+    ["task", "reason"],
+)
+attempt_seconds = Histogram(
+    "explicit_attempt_duration_seconds",
+    "Wall time of one attempt of a handler, bookkeeping included.",
+    ["task"],
+)

@@ -1,0 +1,390 @@
+"""``ExplicitTask``: a Celery task whose contract is declared on the task itself.
+
+Subclass it (or pass ``base=ExplicitTask`` to ``@app.task``) and declare::
+
+    idempotency_key = "payment:{payment_id}:capture"  # the effect's business identity
+    visibility_timeout = 60   # seconds: the lease on this task's message
+    expected_duration = 5     # seconds: a normal run
+    retry_on = (GatewayTimeout,)   # transient: retry with capped, jittered backoff
+    fail_on = (CardDeclined,)      # permanent: dead letter after one attempt
+
+Every execution is wrapped here: the arguments are bound to ``run()``'s signature and
+the key rendered (bad input is dead-lettered on its first delivery, never retried),
+the handler runs, its error is classified, and one attempt row records how it ended.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import random
+import traceback as tb
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from celery import Task, current_task
+from celery.exceptions import Retry
+from celery.worker.request import Request
+from django.db import DatabaseError
+from django.utils import timezone
+
+from celery_explicit import contract as contract_mod
+from celery_explicit import idempotency, metrics
+from celery_explicit.errors import BadInput, ExplicitError, IdempotencyConflict
+from celery_explicit.retry_policy import Classification
+
+if TYPE_CHECKING:
+    from django_outbox.ledger import Effect
+    from django_outbox.models import DeadLetterReason, Outcome
+
+logger = logging.getLogger("celery_explicit")
+_rng = random.SystemRandom()
+
+
+@dataclass
+class Execution:
+    """What one execution knows about itself; kept on ``task.request.explicit``."""
+
+    task_name: str
+    task_id: str
+    key: str
+    fingerprint: str
+    arguments: dict[str, Any]
+    attempt: int
+    started_at: datetime
+    correlation_id: str
+    outcome: Outcome | None = None
+    external_request_id: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ExplicitTask(Task):  # type: ignore[misc]
+    """Base class for tasks with an explicit contract. See the module docstring."""
+
+    # Fixed for every ExplicitTask; contract.build refuses other values.
+    acks_late = True
+    reject_on_worker_lost = True
+    serializer = "json"
+    # Runs in the worker's main process; records what never reaches run().
+    Request = "celery_explicit.task:ExplicitRequest"
+
+    # Declarations. None means "not declared": contract.build refuses it.
+    idempotency_key: ClassVar[idempotency.KeyDeclaration | None] = None
+    visibility_timeout: ClassVar[float | None] = None
+    expected_duration: ClassVar[float | None] = None
+    retry_on: ClassVar[tuple[type[BaseException], ...] | None] = None
+    fail_on: ClassVar[tuple[type[BaseException], ...] | None] = None
+    unclassified: ClassVar[str] = "permanent"
+    max_attempts: ClassVar[int] = 5
+    backoff_base: ClassVar[float] = 1.0
+    backoff_cap: ClassVar[float] = 60.0
+
+    contract: ClassVar[contract_mod.Contract]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # An intermediate base (shared settings for a family of tasks) declares
+        # ``abstract = True`` and is validated through its concrete subclasses.
+        if cls.__dict__.get("abstract"):
+            return
+        cls.contract = contract_mod.build(cls, cls.__dict__)
+
+    # --- publishing ---------------------------------------------------------------
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
+                    producer: Any = None, link: Any = None, link_error: Any = None,
+                    shadow: str | None = None, **options: Any) -> Any:
+        """Publish with the rendered key in the headers; bad input never leaves the caller.
+
+        The key travels from the moment of publishing, so a consumer, a log line or a
+        downstream sees the same key the ledger will use.
+        """
+        arguments, given = self.bind_arguments(tuple(args or ()), dict(kwargs or {}))
+        key = idempotency.render_key(self.name, self.contract.idempotency_key, given)
+        headers = dict(options.pop("headers", None) or {})
+        headers[idempotency.KEY_HEADER] = key
+        if idempotency.CORRELATION_HEADER not in headers:
+            parent = current_task.request if current_task else None
+            correlation = getattr(parent, idempotency.CORRELATION_HEADER, None) if parent else None
+            if correlation:
+                headers[idempotency.CORRELATION_HEADER] = correlation
+        return super().apply_async(args, kwargs, task_id, producer, link, link_error,
+                                   shadow, headers=headers, **options)
+
+    def bind_arguments(self, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(all arguments with defaults, the arguments the caller gave) or BadInput."""
+        sig, _ = contract_mod.run_signature(type(self))
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise BadInput(self.name, f"arguments do not fit run{sig}: {exc}") from None
+        given = dict(bound.arguments)
+        for name, param in sig.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD and name in given:
+                given.update(given.pop(name))
+        bound.apply_defaults()
+        return dict(bound.arguments), given
+
+    # --- executing ----------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly:
+            # A plain function call (a unit test, a shell): no message, no attempt row,
+            # but the same key so ``effect()`` still guards the effect.
+            self._begin(request, args, kwargs)
+            return super().__call__(*args, **kwargs)
+
+        started = timezone.now()
+        try:
+            execution = self._begin(request, args, kwargs)
+        except BadInput as exc:
+            self._dead_letter_and_audit(
+                request, args, kwargs, exc, started=started, key="",
+                outcome_name="BAD_INPUT", reason_name="BAD_INPUT")
+            _mark(exc)
+            raise
+
+        try:
+            result = super().__call__(*args, **kwargs)
+        except Retry:
+            # The handler called self.retry() itself: an explicit decision, recorded.
+            self._audit(execution, "RETRY_SCHEDULED", started=started)
+            raise
+        except IdempotencyConflict as exc:
+            metrics.duplicates_absorbed.labels(self.name, "arguments").inc()
+            self._dead_letter_and_audit(request, args, kwargs, exc, started=started,
+                                        key=execution.key, outcome_name="CONFLICT",
+                                        reason_name="CONFLICT", execution=execution)
+            _mark(exc)
+            raise
+        except Exception as exc:
+            self._handle_error(execution, request, args, kwargs, exc, started=started)
+            _mark(exc)
+            raise
+        self._audit(execution, execution.outcome.name if execution.outcome else "SUCCEEDED",
+                    started=started)
+        return result
+
+    def _begin(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Execution:
+        arguments, given = self.bind_arguments(tuple(args), dict(kwargs))
+        key = idempotency.render_key(self.name, self.contract.idempotency_key, given)
+        # The header is what the publisher rendered; the worker renders again from the
+        # arguments it is about to run with, and that one is the key of record.
+        request.idempotency_key = key
+        execution = Execution(
+            task_name=self.name, task_id=str(request.id or ""), key=key,
+            fingerprint=idempotency.fingerprint(arguments), arguments=arguments,
+            attempt=int(request.retries or 0) + 1, started_at=timezone.now(),
+            correlation_id=str(getattr(request, idempotency.CORRELATION_HEADER, None)
+                               or request.root_id or request.id or ""),
+        )
+        request.explicit = execution
+        return execution
+
+    def _handle_error(self, execution: Execution, request: Any, args: tuple[Any, ...],
+                      kwargs: dict[str, Any], exc: Exception, *, started: datetime) -> None:
+        policy = self.contract.retry
+        kind = policy.classify(exc)
+        if policy.should_retry(exc):
+            if execution.attempt < policy.max_attempts:
+                delay = policy.delay(execution.attempt, exc, rng=_rng)
+                metrics.retries_scheduled.labels(self.name, type(exc).__name__).inc()
+                self._audit(execution, "RETRY_SCHEDULED", started=started, exc=exc,
+                            retry_delay=delay)
+                # max_retries=None: we count attempts ourselves (max_attempts).
+                raise self.retry(exc=exc, countdown=delay, max_retries=None)
+            outcome, reason = "EXHAUSTED", "EXHAUSTED"
+        elif kind is Classification.UNCLASSIFIED:
+            outcome, reason = "FAILED_UNCLASSIFIED", "UNCLASSIFIED"
+        else:
+            outcome, reason = "FAILED_PERMANENT", "PERMANENT"
+        self._dead_letter_and_audit(request, args, kwargs, exc, started=started,
+                                    key=execution.key, outcome_name=outcome,
+                                    reason_name=reason, execution=execution)
+
+    # --- the handler's tools ------------------------------------------------------
+
+    @contextmanager
+    def effect(self, *, using: str | None = None) -> Iterator[Effect]:
+        """The effect and its ledger row in one transaction; see ``django_outbox.ledger``."""
+        from django_outbox import ledger
+        from django_outbox.models import Outcome
+
+        execution = self._execution()
+        with ledger.effect(key=execution.key, fingerprint=execution.fingerprint,
+                           task_name=self.name, task_id=execution.task_id,
+                           using=using) as claimed:
+            yield claimed
+        if claimed.done:
+            execution.outcome = Outcome.ALREADY_APPLIED
+            metrics.duplicates_absorbed.labels(self.name, "duplicate").inc()
+            self._log("effect already applied: duplicate absorbed", execution,
+                      layer="effect")
+        else:
+            execution.outcome = Outcome.APPLIED
+            metrics.effects_applied.labels(self.name).inc()
+
+    def set_external_request_id(self, value: str) -> None:
+        """Record the downstream's request id on this attempt (for its support desk)."""
+        self._execution().external_request_id = str(value)
+
+    def _execution(self) -> Execution:
+        execution = getattr(self.request, "explicit", None)
+        if not isinstance(execution, Execution):
+            raise ExplicitError(f"Task {self.name}: effect() and set_external_request_id() "
+                                "work only while the task runs")
+        return execution
+
+    # --- records ------------------------------------------------------------------
+
+    def _audit(self, execution: Execution, outcome_name: str, *, started: datetime,
+               exc: BaseException | None = None, retry_delay: float | None = None) -> None:
+        from django_outbox import audit
+        from django_outbox.models import Outcome
+
+        outcome = Outcome[outcome_name]
+        finished = timezone.now()
+        request = self.request
+        audit.record_attempt(
+            task_id=execution.task_id, task_name=self.name, idempotency_key=execution.key,
+            attempt=execution.attempt,
+            redelivered=bool((request.delivery_info or {}).get("redelivered")),
+            worker_host=str(request.hostname or ""), worker_pid=os.getpid(),
+            started_at=started, finished_at=finished, outcome=outcome,
+            error_class=_qualname(exc) if exc else "",
+            error_message=str(exc)[:4000] if exc else "",
+            retry_delay=retry_delay, correlation_id=execution.correlation_id,
+            external_request_id=execution.external_request_id,
+            replay_of=_int_or_none(getattr(request, idempotency.REPLAY_HEADER, None)),
+        )
+        metrics.executions.labels(self.name, outcome.value).inc()
+        metrics.attempt_seconds.labels(self.name).observe((finished - started).total_seconds())
+        self._log(f"attempt {execution.attempt} ended: {outcome.value}", execution,
+                  layer="execution", outcome=outcome.value, retry_delay=retry_delay,
+                  error_class=_qualname(exc) if exc else None)
+
+    def _dead_letter_and_audit(self, request: Any, args: tuple[Any, ...],
+                               kwargs: dict[str, Any], exc: BaseException, *,
+                               started: datetime, key: str, outcome_name: str,
+                               reason_name: str, execution: Execution | None = None) -> None:
+        from django_outbox import dead_letters
+        from django_outbox.models import DeadLetterReason
+
+        attempt = execution.attempt if execution else int(request.retries or 0) + 1
+        correlation = str(getattr(request, idempotency.CORRELATION_HEADER, None)
+                          or request.root_id or request.id or "")
+        reason = DeadLetterReason[reason_name]
+        try:
+            dead_letters.record(
+                task_id=request.id, task_name=self.name, reason=reason,
+                args=list(args), kwargs=kwargs, idempotency_key=key,
+                error_class=_qualname(exc), error_message=str(exc)[:4000],
+                traceback="".join(tb.format_exception(exc)), attempts=attempt,
+                correlation_id=correlation,
+            )
+        except DatabaseError as db_exc:
+            # The dead letter is the only copy once the message is acked: keep the
+            # message instead, and try again later.
+            logger.exception("could not record dead letter; retrying the message",
+                             extra={"task": self.name, "job_id": request.id,
+                                    "idempotency_key": key})
+            raise self.retry(exc=db_exc, countdown=_rng.uniform(1.0, 10.0),
+                             max_retries=None) from db_exc
+        metrics.dead_letters.labels(self.name, reason.value).inc()
+        if execution is None:
+            execution = Execution(task_name=self.name, task_id=str(request.id or ""), key=key,
+                                  fingerprint="", arguments={}, attempt=attempt,
+                                  started_at=started, correlation_id=correlation)
+        self._audit(execution, outcome_name, started=started, exc=exc)
+
+    def _log(self, message: str, execution: Execution, **fields: Any) -> None:
+        logger.info(message, extra={
+            "task": self.name, "job_id": execution.task_id,
+            "idempotency_key": execution.key, "attempt": execution.attempt,
+            "correlation_id": execution.correlation_id,
+            "external_request_id": execution.external_request_id, **fields,
+        })
+
+
+@contextmanager
+def effect(*, using: str | None = None) -> Iterator[Effect]:
+    """``self.effect()`` for handlers declared with ``@app.task`` without ``bind=True``."""
+    task = current_task
+    if task is None or not isinstance(task._get_current_object(), ExplicitTask):
+        raise ExplicitError("effect() works only inside a running ExplicitTask")
+    with task.effect(using=using) as claimed:
+        yield claimed
+
+
+class ExplicitRequest(Request):  # type: ignore[misc]
+    """Worker main process: records a message whose body never reached ``run()``.
+
+    Celery decodes a task's body in the pool child, before calling the task; a body that
+    does not decode fails there and Celery acks it. Without this hook it would be lost
+    with one log line; here it becomes a dead letter holding the raw body.
+    """
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
+                   return_ok: bool = False) -> None:
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # unwrap billiard's ExceptionWithTraceback
+        if _is_decode_error(exc):
+            from django_outbox import receivers
+
+            receivers.record_undecodable(
+                task_id=self.id, task_name=self.task_name, message=self._message,
+                error=exc,
+            )
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+
+def _is_decode_error(exc: object) -> bool:
+    """True for an error raised while decoding the body, before ``__call__`` ran.
+
+    kombu wraps a decoder's error in DecodeError; a body that decodes to something
+    other than ``[args, kwargs, embed]`` fails to unpack with a ValueError or TypeError.
+    Errors that went through ``__call__`` carry ``RECORDED_MARK`` and are not ours here.
+    """
+    from celery.exceptions import InvalidTaskError
+    from kombu.exceptions import ContentDisallowed, DecodeError
+
+    if isinstance(exc, DecodeError | ContentDisallowed | InvalidTaskError):
+        return True
+    return isinstance(exc, ValueError | TypeError) and not getattr(exc, RECORDED_MARK, False)
+
+
+#: Set on an exception that ``__call__`` already recorded (it survives pickling).
+RECORDED_MARK = "explicit_recorded"
+
+
+def _mark(exc: BaseException) -> None:
+    try:
+        setattr(exc, RECORDED_MARK, True)
+    except AttributeError:  # exceptions with __slots__
+        pass
+
+
+def _qualname(exc: BaseException | None) -> str:
+    if exc is None:
+        return ""
+    klass = type(exc)
+    return f"{klass.__module__}.{klass.__qualname__}"
+
+
+def _int_or_none(value: object) -> int | None:
+    try:
+        return int(value) if value is not None else None  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
+
+
+__all__ = ["ExplicitRequest", "ExplicitTask", "Execution", "effect"]
+# Outcome / DeadLetterReason are only names here (resolved lazily above), so the
+# module imports without Django's app registry being ready.
+_ = (DeadLetterReason, Outcome) if TYPE_CHECKING else None

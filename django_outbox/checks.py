@@ -1,0 +1,136 @@
+"""System checks: what can only be judged with the whole configuration.
+
+``manage.py check`` (and the worker, through Django's start-up) report:
+
+- E001 a task's contract is missing a field or contradicts itself
+- E002 a pickle serializer is accepted or used
+- E003 the Redis broker's visibility timeout (the global backstop) is shorter than a
+  task's lease, so the broker redelivers that task while it still runs
+- E004 ``EXPLICIT_CELERY_APP`` cannot be imported
+- E005 the ledger database cannot do ``INSERT ... ON CONFLICT DO NOTHING RETURNING``
+- W001 a task's retry delay can outlast the Redis visibility timeout: a retry waiting
+  in a worker (an ETA message) would be redelivered to another one meanwhile
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from django.apps import AppConfig
+from django.core import checks
+from django.db import connections
+from django.utils.module_loading import autodiscover_modules
+
+from celery_explicit.errors import ContractError
+from django_outbox.conf import settings
+
+# kombu's Redis transport default (kombu/transport/redis.py, Channel.visibility_timeout).
+REDIS_DEFAULT_VISIBILITY_TIMEOUT = 3600.0
+
+
+def _explicit_tasks(app: Any) -> list[Any]:
+    from celery_explicit.task import ExplicitTask
+
+    return [t for t in app.tasks.values() if isinstance(t, ExplicitTask)]
+
+
+@checks.register("django_outbox")
+def check_celery_configuration(app_configs: Sequence[AppConfig] | None = None,
+                               **kwargs: Any) -> list[checks.CheckMessage]:
+    try:
+        app = settings.celery_app()
+    except ImportError as exc:
+        return [checks.Error(
+            f"EXPLICIT_CELERY_APP={settings.celery_app_path!r} cannot be imported: {exc}",
+            hint="Set it to the dotted path of your Celery app, e.g. 'shop.celery.app'.",
+            id="django_outbox.E004")]
+
+    errors: list[checks.CheckMessage] = []
+    try:
+        # Decorator-declared tasks are lazy until the app finalizes; force it so a
+        # contract error surfaces here, not when the task is first used.
+        # (Celery's own import_default_modules would run django.setup() again from
+        # inside a check; importing each installed app's tasks module is what its
+        # Django autodiscovery does.)
+        autodiscover_modules("tasks")
+        app.finalize(auto=True)
+        tasks = _explicit_tasks(app)
+    except ContractError as exc:
+        return [checks.Error(str(exc), hint=_contract_hint(exc), obj=exc.task_name,
+                             id="django_outbox.E001")]
+
+    errors += _check_serializers(app)
+    errors += _check_visibility(app, tasks)
+    return errors
+
+
+@checks.register("django_outbox", checks.Tags.database)
+def check_ledger_database(app_configs: Sequence[AppConfig] | None = None,
+                          **kwargs: Any) -> list[checks.CheckMessage]:
+    connection = connections[settings.database]
+    if connection.vendor in ("postgresql", "sqlite"):
+        return []
+    return [checks.Error(
+        f"the effect ledger needs INSERT ... ON CONFLICT DO NOTHING RETURNING, which "
+        f"database {settings.database!r} ({connection.vendor}) does not offer",
+        hint="Use PostgreSQL (or SQLite for a demo) for EXPLICIT_DATABASE.",
+        id="django_outbox.E005")]
+
+
+def _contract_hint(exc: ContractError) -> str:
+    return (f"Fix the declaration of {exc.field!r} on task {exc.task_name}." if exc.field
+            else f"Fix the declaration of task {exc.task_name}.")
+
+
+def _check_serializers(app: Any) -> list[checks.CheckMessage]:
+    conf = app.conf
+    found = []
+    for name in ("accept_content", "task_serializer", "result_serializer", "event_serializer"):
+        value = conf.get(name)
+        values = [value] if isinstance(value, str) else list(value or [])
+        if any("pickle" in str(v) for v in values):
+            found.append(name)
+    if not found:
+        return []
+    return [checks.Error(
+        f"Celery setting {', '.join(found)} allows the pickle serializer: a pickled "
+        "message taken from the broker runs arbitrary code in the worker",
+        hint="Use JSON: accept_content=['json'], task_serializer='json', "
+             "result_serializer='json'.",
+        id="django_outbox.E002")]
+
+
+def _redis_visibility_timeout(app: Any) -> float | None:
+    url = str(app.conf.broker_url or "")
+    if not url.startswith(("redis://", "rediss://", "redis+socket://", "sentinel://")):
+        return None
+    options = app.conf.broker_transport_options or {}
+    return float(options.get("visibility_timeout", REDIS_DEFAULT_VISIBILITY_TIMEOUT))
+
+
+def _check_visibility(app: Any, tasks: list[Any]) -> list[checks.CheckMessage]:
+    backstop = _redis_visibility_timeout(app)
+    if backstop is None:
+        return []
+    messages: list[checks.CheckMessage] = []
+    for task in sorted(tasks, key=lambda t: t.name):
+        contract = task.contract
+        if contract.visibility_timeout > backstop:
+            messages.append(checks.Error(
+                f"task {task.name} declares visibility_timeout="
+                f"{contract.visibility_timeout:g}s but the Redis broker's "
+                f"visibility_timeout is {backstop:g}s: the broker would redeliver the "
+                "task to a second worker while the first still runs",
+                hint="Raise broker_transport_options['visibility_timeout'] to at least "
+                     f"{contract.visibility_timeout:g}, or shorten the task's lease.",
+                obj=task.name, id="django_outbox.E003"))
+        if contract.retry.backoff_cap > backstop:
+            messages.append(checks.Warning(
+                f"task {task.name} may wait up to backoff_cap="
+                f"{contract.retry.backoff_cap:g}s before a retry, longer than the Redis "
+                f"broker's visibility_timeout of {backstop:g}s: the waiting retry "
+                "would be redelivered to another worker meanwhile",
+                hint="Lower backoff_cap below the broker visibility_timeout.",
+                obj=task.name, id="django_outbox.W001"))
+    return messages

@@ -1,0 +1,47 @@
+"""Settings of the app, read lazily through one typed object, all prefixed ``EXPLICIT_``.
+
+Read at call time, never at import time or in a model field, so ``override_settings``
+works and migrations never depend on settings.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from django.conf import settings as django_settings
+from django.utils.module_loading import import_string
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+
+class Settings:
+    @property
+    def celery_app_path(self) -> str | None:
+        """``EXPLICIT_CELERY_APP``: dotted path of the Celery app, e.g. ``"shop.celery.app"``.
+
+        Unset: Celery's current app (the one your project's ``celery.py`` created).
+        """
+        value = getattr(django_settings, "EXPLICIT_CELERY_APP", None)
+        return str(value) if value else None
+
+    @property
+    def database(self) -> str:
+        """``EXPLICIT_DATABASE``: the alias holding the ledger, attempts and dead letters.
+
+        It must be the database your effects write to: the ledger row and the effect
+        commit in one transaction.
+        """
+        return str(getattr(django_settings, "EXPLICIT_DATABASE", "default"))
+
+    def celery_app(self) -> Celery:
+        path = self.celery_app_path
+        if path:
+            app: Celery = import_string(path)
+            return app
+        from celery import current_app
+
+        return current_app._get_current_object()  # type: ignore[attr-defined,no-any-return]
+
+
+settings = Settings()

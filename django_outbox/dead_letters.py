@@ -1,0 +1,98 @@
+"""Dead letters: messages that will not run again by themselves, kept as evidence.
+
+A message lands here on a permanent or unclassified error, when its attempts are
+exhausted, on an idempotency conflict, or as bad input (arguments that do not fit,
+a body that does not decode, an unknown task name). It is never retried by itself;
+an operator replays it (same idempotency key, linked to this row) or discards it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from celery_explicit.idempotency import KEY_HEADER, REPLAY_HEADER
+from django_outbox.conf import settings
+from django_outbox.models import DeadLetter, DeadLetterReason, DeadLetterStatus
+
+
+def record(*, task_id: str | None, task_name: str, reason: DeadLetterReason,
+           args: Any = (), kwargs: Any = None, raw_body: str = "",
+           idempotency_key: str = "", error_class: str = "", error_message: str = "",
+           traceback: str = "", attempts: int = 1, correlation_id: str = "") -> DeadLetter:
+    """Insert or update the dead letter of ``task_id``.
+
+    A message redelivered after a crash may fail again: it updates its row (attempts,
+    last attempt, error) instead of adding a second one.
+    """
+    now = timezone.now()
+    defaults: dict[str, Any] = dict(
+        task_name=task_name[:255], reason=reason, raw_body=raw_body,
+        args=_jsonable(list(args) if isinstance(args, list | tuple) else args),
+        kwargs=_jsonable(kwargs if kwargs is not None else {}),
+        idempotency_key=idempotency_key[:255], error_class=error_class[:255],
+        error_message=error_message, traceback=traceback, attempts=attempts,
+        last_attempt=now, correlation_id=correlation_id[:255],
+        status=DeadLetterStatus.OPEN,
+    )
+    letter, _ = DeadLetter.objects.using(settings.database).update_or_create(
+        task_id=task_id or f"unidentified-{uuid.uuid4()}",
+        defaults=defaults, create_defaults={**defaults, "first_seen": now},
+    )
+    return letter
+
+
+def replay(letter: DeadLetter, *, by: str) -> str:
+    """Publish the dead letter's task again, with the same idempotency key.
+
+    Returns the new task id. The message carries the dead letter's id so the attempts
+    it causes link back to it. Refuses a letter that is not open.
+    """
+    app = settings.celery_app()
+    new_id = str(uuid.uuid4())
+    with transaction.atomic(using=settings.database):
+        locked = (DeadLetter.objects.using(settings.database).select_for_update()
+                  .get(pk=letter.pk))
+        if locked.status != DeadLetterStatus.OPEN:
+            raise ValueError(f"dead letter {letter.pk} ({letter.task_name}) is "
+                             f"{locked.status}, not open: not replayed")
+        locked.status = DeadLetterStatus.REPLAYED
+        locked.replayed_task_id = new_id
+        locked.resolved_at = timezone.now()
+        locked.resolved_by = by[:150]
+        locked.save(update_fields=["status", "replayed_task_id", "resolved_at", "resolved_by"])
+        headers = {REPLAY_HEADER: letter.pk}
+        if letter.idempotency_key:
+            headers[KEY_HEADER] = letter.idempotency_key
+        # Published after commit: a rollback of the status change publishes nothing.
+        transaction.on_commit(lambda: app.send_task(
+            letter.task_name, args=letter.args, kwargs=letter.kwargs, task_id=new_id,
+            headers=headers), using=settings.database)
+    letter.refresh_from_db()
+    return new_id
+
+
+def discard(letter: DeadLetter, *, by: str) -> None:
+    """Close the dead letter without running it. The row stays as evidence."""
+    updated = (DeadLetter.objects.using(settings.database)
+               .filter(pk=letter.pk, status=DeadLetterStatus.OPEN)
+               .update(status=DeadLetterStatus.DISCARDED, resolved_at=timezone.now(),
+                       resolved_by=by[:150]))
+    if not updated:
+        raise ValueError(f"dead letter {letter.pk} ({letter.task_name}) is not open: "
+                         "not discarded")
+    letter.refresh_from_db()
+
+
+def _jsonable(value: Any) -> Any:
+    """Arguments as JSON can store them; anything else as its repr, never dropped."""
+    import json
+
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value

@@ -1,0 +1,161 @@
+"""What the jobs leave behind as data: the effect ledger, attempts, dead letters.
+
+Each model answers one operator question:
+- ``ProcessedOperation``: did the business effect for this key happen, when, with what
+  result? (effect)
+- ``Attempt``: every time a worker ran the handler, and how it ended. (execution)
+- ``DeadLetter``: messages that will not run again by themselves, and why. (delivery
+  or execution that needs a human)
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+
+
+class Outcome(models.TextChoices):
+    """How one attempt (one execution of the handler) ended."""
+
+    APPLIED = "applied", "effect applied"
+    ALREADY_APPLIED = "already_applied", "already applied (duplicate absorbed)"
+    SUCCEEDED = "succeeded", "succeeded (no effect block)"
+    RETRY_SCHEDULED = "retry_scheduled", "retry scheduled"
+    FAILED_PERMANENT = "failed_permanent", "failed: permanent error"
+    FAILED_UNCLASSIFIED = "failed_unclassified", "failed: unclassified error"
+    EXHAUSTED = "exhausted", "failed: attempts exhausted"
+    BAD_INPUT = "bad_input", "bad input"
+    CONFLICT = "conflict", "idempotency conflict (other arguments)"
+
+
+class DeadLetterReason(models.TextChoices):
+    PERMANENT = "permanent", "permanent error"
+    UNCLASSIFIED = "unclassified", "unclassified error (classify it)"
+    EXHAUSTED = "exhausted", "attempts exhausted"
+    BAD_INPUT = "bad_input", "bad input"
+    CONFLICT = "conflict", "idempotency conflict"
+
+
+class DeadLetterStatus(models.TextChoices):
+    OPEN = "open", "open"
+    REPLAYED = "replayed", "replayed"
+    DISCARDED = "discarded", "discarded"
+
+
+class ProcessedOperation(models.Model):
+    """The effect ledger: one row per idempotency key whose effect committed.
+
+    Written in the same transaction as the effect (``django_outbox.ledger.effect``), so
+    a row exists if and only if the effect committed.
+    """
+
+    key = models.CharField(max_length=255)
+    task_name = models.CharField(max_length=255)
+    task_id = models.CharField(max_length=255)
+    fingerprint = models.CharField(max_length=64, help_text="sha256 of the call's arguments")
+    result_ref = models.CharField(max_length=255, blank=True, default="")
+    processed_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "django_outbox_effect"
+        verbose_name = "effect (ledger)"
+        verbose_name_plural = "effect ledger"
+        constraints = [
+            models.UniqueConstraint(fields=["key"], name="django_outbox_effect_key_uniq"),
+        ]
+        indexes = [
+            models.Index(fields=["processed_at"], name="django_outbox_effect_at_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class Attempt(models.Model):
+    """One execution of a handler by a worker: the audit trail."""
+
+    task_id = models.CharField(max_length=255)
+    task_name = models.CharField(max_length=255)
+    idempotency_key = models.CharField(max_length=255, blank=True, default="")
+    attempt = models.PositiveIntegerField(help_text="1 for the first try; retries add one")
+    redelivered = models.BooleanField(
+        default=False, help_text="the broker marked this delivery as a redelivery")
+    worker_host = models.CharField(max_length=255, blank=True, default="")
+    worker_pid = models.PositiveIntegerField(null=True, blank=True)
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField()
+    duration_ms = models.FloatField()
+    outcome = models.CharField(max_length=32, choices=Outcome.choices)
+    error_class = models.CharField(max_length=255, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+    retry_delay = models.FloatField(null=True, blank=True,
+                                    help_text="seconds until the next attempt")
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    correlation_id = models.CharField(max_length=255, blank=True, default="")
+    external_request_id = models.CharField(max_length=255, blank=True, default="")
+    replay_of = models.BigIntegerField(null=True, blank=True,
+                                       help_text="id of the dead letter this replays")
+
+    class Meta:
+        db_table = "django_outbox_attempt"
+        constraints = [
+            models.CheckConstraint(condition=Q(attempt__gte=1),
+                                   name="django_outbox_attempt_number_gte_1"),
+            models.CheckConstraint(condition=Q(outcome__in=Outcome.values),
+                                   name="django_outbox_attempt_outcome_valid"),
+        ]
+        indexes = [
+            models.Index(fields=["idempotency_key", "started_at"],
+                         name="django_outbox_attempt_key_idx"),
+            models.Index(fields=["task_id"], name="django_outbox_attempt_task_idx"),
+            models.Index(fields=["outcome", "started_at"],
+                         name="django_outbox_attempt_outc_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.task_id}] #{self.attempt}: {self.outcome}"
+
+
+class DeadLetter(models.Model):
+    """A message that will not run again by itself. Evidence: read-only in the admin."""
+
+    task_id = models.CharField(max_length=255)
+    task_name = models.CharField(max_length=255)
+    args = models.JSONField(default=list, blank=True)
+    kwargs = models.JSONField(default=dict, blank=True)
+    raw_body = models.TextField(blank=True, default="",
+                                help_text="the message body, when it could not be decoded")
+    idempotency_key = models.CharField(max_length=255, blank=True, default="")
+    reason = models.CharField(max_length=32, choices=DeadLetterReason.choices)
+    error_class = models.CharField(max_length=255, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+    traceback = models.TextField(blank=True, default="")
+    attempts = models.PositiveIntegerField(default=1)
+    first_seen = models.DateTimeField()
+    last_attempt = models.DateTimeField()
+    correlation_id = models.CharField(max_length=255, blank=True, default="")
+    status = models.CharField(max_length=16, choices=DeadLetterStatus.choices,
+                              default=DeadLetterStatus.OPEN)
+    replayed_task_id = models.CharField(max_length=255, blank=True, default="")
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    resolved_by = models.CharField(max_length=150, blank=True, default="")
+
+    class Meta:
+        db_table = "django_outbox_dead_letter"
+        permissions = [
+            ("replay_deadletter", "Can replay a dead letter"),
+            ("discard_deadletter", "Can discard a dead letter"),
+        ]
+        constraints = [
+            # A redelivered message that fails again updates its dead letter.
+            models.UniqueConstraint(fields=["task_id"], name="django_outbox_dl_task_uniq"),
+            models.CheckConstraint(condition=Q(reason__in=DeadLetterReason.values),
+                                   name="django_outbox_dl_reason_valid"),
+        ]
+        indexes = [
+            models.Index(fields=["status", "last_attempt"], name="django_outbox_dl_status_idx"),
+            models.Index(fields=["idempotency_key"], name="django_outbox_dl_key_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.task_id}]: {self.reason}"

@@ -1,0 +1,79 @@
+"""Worker main process: dead-letter messages that never reach a task's code.
+
+Celery drops a message naming an unknown task (it logs and rejects it) and acks a
+body that does not decode. Both are bad input we must not lose: each becomes a dead
+letter with the raw message, and the worker goes on consuming.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from celery import signals
+from django.db import DatabaseError
+
+from celery_explicit import metrics
+from celery_explicit.idempotency import CORRELATION_HEADER, KEY_HEADER
+from django_outbox import dead_letters
+from django_outbox.models import DeadLetterReason
+
+logger = logging.getLogger("django_outbox.receivers")
+
+
+def _body_text(message: Any) -> str:
+    body = getattr(message, "body", b"")
+    if isinstance(body, bytes):
+        return body.decode("utf-8", errors="backslashreplace")
+    return str(body)
+
+
+def _args_from_body(text: str) -> tuple[Any, Any]:
+    try:
+        decoded = json.loads(text)
+        args, kwargs = decoded[0], decoded[1]
+    except (ValueError, TypeError, IndexError, KeyError):
+        return [], {}
+    if isinstance(args, list) and isinstance(kwargs, dict):
+        return args, kwargs
+    return [], {}
+
+
+def _record(*, task_id: str | None, task_name: str, message: Any, error_class: str,
+            error_message: str) -> None:
+    headers = dict(getattr(message, "headers", None) or {})
+    raw = _body_text(message)
+    args, kwargs = _args_from_body(raw)
+    try:
+        dead_letters.record(
+            task_id=task_id, task_name=task_name, reason=DeadLetterReason.BAD_INPUT,
+            args=args, kwargs=kwargs, raw_body=raw,
+            idempotency_key=str(headers.get(KEY_HEADER) or ""),
+            error_class=error_class, error_message=error_message,
+            correlation_id=str(headers.get(CORRELATION_HEADER) or ""),
+        )
+    except DatabaseError:
+        # Celery acks or rejects the message after this returns; the log line is then
+        # the only copy, so it carries the whole body.
+        logger.exception("could not dead-letter a message; its body follows",
+                         extra={"task": task_name, "job_id": task_id, "raw_body": raw})
+        return
+    metrics.dead_letters.labels(task_name, DeadLetterReason.BAD_INPUT.value).inc()
+
+
+@signals.task_unknown.connect
+def record_unknown_task(sender: Any = None, message: Any = None, exc: Any = None,
+                        name: str | None = None, id: str | None = None,
+                        **_: Any) -> None:
+    _record(task_id=id, task_name=str(name or "?"), message=message,
+            error_class="celery.exceptions.NotRegistered",
+            error_message=f"unknown task name {name!r}: no task with this name is "
+                          "registered in the worker that received it")
+
+
+def record_undecodable(*, task_id: str | None, task_name: str, message: Any,
+                       error: BaseException) -> None:
+    _record(task_id=task_id, task_name=task_name, message=message,
+            error_class=f"{type(error).__module__}.{type(error).__qualname__}",
+            error_message=f"message body for task {task_name} does not decode: {error}")

@@ -1,0 +1,51 @@
+"""Fixtures: real services only. A missing service fails the run; it is never skipped."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.workers import Worker
+
+
+@pytest.fixture(scope="session")
+def redis_client() -> redis.Redis:
+    from django.conf import settings
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.ping()  # fails loudly when Redis is down: the test command starts it
+    return client
+
+
+@pytest.fixture
+def queue(redis_client: redis.Redis) -> str:
+    return f"q-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def start_worker(transactional_db: None, queue: str, tmp_path: Path,
+                 redis_client: redis.Redis) -> Iterator[Callable[..., Worker]]:
+    """Start real worker processes on this test's queue; all are stopped afterwards.
+
+    Depends on ``transactional_db`` so the workers (separate processes) see committed
+    rows, and are stopped before pytest-django flushes the tables.
+    """
+    from django.db import connection
+
+    started: list[Worker] = []
+
+    def start(**kwargs: Any) -> Worker:
+        kwargs.setdefault("queue", queue)
+        worker = Worker(db_name=connection.settings_dict["NAME"], log_dir=tmp_path, **kwargs)
+        started.append(worker)
+        return worker.wait_ready()
+
+    yield start
+    for worker in started:
+        worker.stop()
+    redis_client.delete(queue)

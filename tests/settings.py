@@ -1,0 +1,62 @@
+"""Settings for the test suite: real PostgreSQL and Redis, configurable by environment.
+
+Worker processes started by the tests import these settings too, with
+``EXPLICIT_TEST_DB_NAME`` pointing them at pytest-django's test database.
+"""
+
+import os
+
+SECRET_KEY = "tests-only"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.admin",
+    "django_outbox",
+    "tests.testapp",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ROOT_URLCONF = "tests.urls"
+TEMPLATES = [{
+    "BACKEND": "django.template.backends.django.DjangoTemplates",
+    "APP_DIRS": True,
+    "OPTIONS": {"context_processors": [
+        "django.template.context_processors.request",
+        "django.contrib.auth.context_processors.auth",
+        "django.contrib.messages.context_processors.messages",
+    ]},
+}]
+
+_db_name = os.environ.get("EXPLICIT_TEST_DB_NAME")
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.postgresql",
+        "HOST": os.environ.get("PGHOST", "127.0.0.1"),
+        "PORT": os.environ.get("PGPORT", "5432"),
+        "USER": os.environ.get("PGUSER", "postgres"),
+        "NAME": _db_name or os.environ.get("PGDATABASE", "explicit"),
+        "TEST": {"NAME": "test_explicit"},
+    }
+}
+
+REDIS_URL = os.environ.get("EXPLICIT_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+CELERY_BROKER_URL = os.environ.get("EXPLICIT_TEST_BROKER_URL", REDIS_URL)
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_RESULT_BACKEND = None
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_SERIALIZER = "json"
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+EXPLICIT_CELERY_APP = "tests.celery_app.app"

@@ -1,0 +1,162 @@
+"""Tasks the tests run in real worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from django.db.models import F
+
+from celery_explicit import ExplicitTask, RetryAfter, effect
+from tests.celery_app import app
+from tests.testapp.models import Counter
+
+
+class TransientError(Exception):
+    pass
+
+
+class ThrottledError(Exception):
+    def __init__(self, retry_after: float) -> None:
+        self.retry_after = retry_after
+        super().__init__(f"throttled for {retry_after}s")
+
+
+class Increment(ExplicitTask):
+    name = "tests.increment"
+    idempotency_key = "counter:{name}:op:{op_id}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = (TransientError,)
+    fail_on = (ValueError,)
+
+    def run(self, name: str, op_id: str, amount: int = 1, hold: float = 0.0,
+            die_after_effect: bool = False) -> str:
+        with self.effect() as eff:
+            if eff.done:
+                return eff.result_ref
+            Counter.objects.filter(name=name).update(value=F("value") + amount)
+            # Holding the transaction open widens the window in which a concurrent
+            # execution with the same key would slip through, if anything let it.
+            time.sleep(hold)
+            eff.result_ref = f"{name}+{amount}"
+        if die_after_effect:
+            # Committed, not yet acked: the worker dies and the broker redelivers.
+            os.kill(os.getpid(), signal.SIGKILL)
+        return eff.result_ref
+
+
+@app.task(name="tests.increment_unguarded", acks_late=True)
+def increment_unguarded(name: str, op_id: str, amount: int = 1, hold: float = 0.0) -> None:
+    """Negative control: the same update without the ledger."""
+    from django.db import transaction
+
+    with transaction.atomic():
+        Counter.objects.filter(name=name).update(value=F("value") + amount)
+        time.sleep(hold)
+
+
+class AlwaysTransient(ExplicitTask):
+    name = "tests.always_transient"
+    idempotency_key = "transient:{job}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = (TransientError,)
+    fail_on = ()
+    max_attempts = 4
+    backoff_base = 0.2
+    backoff_cap = 1.0
+
+    def run(self, job: str) -> None:
+        raise TransientError(f"downstream timed out for {job}")
+
+
+class Throttled(ExplicitTask):
+    name = "tests.throttled"
+    idempotency_key = "throttled:{job}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = (ThrottledError,)
+    fail_on = ()
+    max_attempts = 2
+    backoff_base = 0.01
+    backoff_cap = 0.02
+
+    def run(self, job: str) -> None:
+        raise ThrottledError(retry_after=1.5)
+
+
+class RetryThenSucceed(ExplicitTask):
+    name = "tests.retry_then_succeed"
+    idempotency_key = "flaky:{name}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = (TransientError,)
+    fail_on = ()
+    backoff_base = 0.1
+    backoff_cap = 0.3
+
+    def run(self, name: str, fail_times: int) -> None:
+        if self.request.retries < fail_times:
+            raise RetryAfter(0.05) if self.request.retries % 2 else TransientError("flaky")
+        with self.effect() as eff:
+            if eff.done:
+                return
+            Counter.objects.filter(name=name).update(value=F("value") + 1)
+
+
+class Declined(ExplicitTask):
+    name = "tests.declined"
+    idempotency_key = "payment:{payment_id}:capture"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = (TransientError,)
+    fail_on = (ValueError,)
+
+    def run(self, payment_id: int) -> None:
+        raise ValueError(f"card declined for payment {payment_id}")
+
+
+class Surprising(ExplicitTask):
+    name = "tests.surprising"
+    idempotency_key = "surprise:{item}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = (TransientError,)
+    fail_on = (ValueError,)
+
+    def run(self, item: str) -> None:
+        raise LookupError(f"nobody classified this error for {item}")
+
+
+class OptionalKey(ExplicitTask):
+    name = "tests.optional_key"
+    idempotency_key = "thing:{thing_id}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, thing_id: int | None = None) -> None:
+        return None
+
+
+@app.task(base=ExplicitTask, name="tests.note", idempotency_key="note:{name}",
+          visibility_timeout=20, expected_duration=1, retry_on=(TransientError,),
+          fail_on=(ValueError,))
+def note(name: str, request_id: str = "") -> None:
+    """Decorator form without bind=True: the module-level effect() helper."""
+    with effect() as eff:
+        if eff.done:
+            return
+        Counter.objects.filter(name=name).update(value=F("value") + 1)
+
+
+app.register_task(Increment())
+app.register_task(AlwaysTransient())
+app.register_task(Throttled())
+app.register_task(RetryThenSucceed())
+app.register_task(Declined())
+app.register_task(Surprising())
+app.register_task(OptionalKey())
