@@ -93,6 +93,15 @@ class ExplicitTask(Task):  # type: ignore[misc]
             return
         cls.contract = contract_mod.build(cls, cls.__dict__)
 
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        # Messages that never reach a task (an undecodable body) are dead-lettered by
+        # a consumer step; every app running an ExplicitTask gets it.
+        from celery_explicit import worker_steps
+
+        worker_steps.install(app)
+        super().on_bound(app)
+
     # --- publishing ---------------------------------------------------------------
 
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,

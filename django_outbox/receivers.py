@@ -77,3 +77,18 @@ def record_undecodable(*, task_id: str | None, task_name: str, message: Any,
     _record(task_id=task_id, task_name=task_name, message=message,
             error_class=f"{type(error).__module__}.{type(error).__qualname__}",
             error_message=f"message body for task {task_name} does not decode: {error}")
+
+
+@signals.task_rejected.connect
+def record_rejected(sender: Any = None, message: Any = None, exc: Any = None,
+                    **_: Any) -> None:
+    """A message Celery refused before any task ran: not a task message, or content
+    this worker does not accept (a pickled body when only JSON is accepted)."""
+    headers = dict(getattr(message, "headers", None) or {})
+    name = str(headers.get("task") or "?")
+    reason = (f"message refused by the worker: {exc}" if exc is not None
+              else "message is not a Celery task message (no task name header)")
+    _record(task_id=headers.get("id"), task_name=name, message=message,
+            error_class=(f"{type(exc).__module__}.{type(exc).__qualname__}"
+                         if exc is not None else ""),
+            error_message=f"{reason}; task {name}")

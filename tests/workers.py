@@ -73,7 +73,8 @@ class Worker:
 
 
 def wait_for(predicate: Callable[[], Any], *, timeout: float = 30.0,
-             interval: float = 0.1, what: str = "condition") -> Any:
+             interval: float = 0.1, what: str = "condition",
+             on_timeout: Callable[[], Any] | None = None) -> Any:
     """Poll ``predicate`` until it returns something truthy; its value is returned."""
     deadline = time.monotonic() + timeout
     while True:
@@ -81,6 +82,7 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float = 30.0,
         if value:
             return value
         if time.monotonic() > deadline:
+            context = f"; context: {on_timeout()!r}" if on_timeout else ""
             raise TimeoutError(f"timed out after {timeout}s waiting for {what} "
-                               f"(last value {value!r})")
+                               f"(last value {value!r}){context}")
         time.sleep(interval)

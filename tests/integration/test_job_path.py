@@ -2,26 +2,234 @@
 
 from __future__ import annotations
 
-import pytest
+import json
+import statistics
+import time
+import uuid
 
-from django_outbox.models import Attempt, DeadLetter, Outcome, ProcessedOperation
+import pytest
+from kombu import Connection, Producer
+
+from django_outbox.models import (
+    Attempt,
+    DeadLetter,
+    DeadLetterReason,
+    Outcome,
+    ProcessedOperation,
+)
+from tests.celery_app import app
 from tests.testapp.models import Counter
-from tests.testapp.tasks import Increment
+from tests.testapp.tasks import (
+    AlwaysTransient,
+    Declined,
+    Increment,
+    OptionalKey,
+    RetryThenSucceed,
+    Surprising,
+    Throttled,
+    note,
+)
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 
-def test_effect_applies_once_and_duplicate_publish_is_absorbed(start_worker, queue):
+def outcomes(**filters: object) -> list[str]:
+    return sorted(Attempt.objects.filter(**filters).values_list("outcome", flat=True))
+
+
+def test_duplicate_publish_is_absorbed_and_effect_applies_once(start_worker, queue):
     Counter.objects.create(name="a")
     start_worker()
     for _ in range(3):
         Increment().apply_async(kwargs={"name": "a", "op_id": "1"}, queue=queue)
     wait_for(lambda: Attempt.objects.count() == 3, what="3 attempts")
     assert Counter.objects.get(name="a").value == 1
-    outcomes = sorted(Attempt.objects.values_list("outcome", flat=True))
-    assert outcomes == [Outcome.ALREADY_APPLIED, Outcome.ALREADY_APPLIED, Outcome.APPLIED]
+    assert outcomes() == [Outcome.ALREADY_APPLIED, Outcome.ALREADY_APPLIED, Outcome.APPLIED]
     ledger = ProcessedOperation.objects.get()
     assert ledger.key == "counter:a:op:1"
     assert ledger.result_ref == "a+1"
     assert not DeadLetter.objects.exists()
+    attempt = Attempt.objects.filter(outcome=Outcome.APPLIED).get()
+    assert attempt.idempotency_key == "counter:a:op:1"
+    assert attempt.attempt == 1
+    assert attempt.worker_pid and attempt.worker_host
+    assert attempt.finished_at >= attempt.started_at
+
+
+def test_worker_killed_after_commit_redelivers_and_effect_is_not_repeated(start_worker, queue):
+    Counter.objects.create(name="k")
+    worker = start_worker()
+    Increment().apply_async(kwargs={"name": "k", "op_id": "9", "die_after_effect": True},
+                            queue=queue)
+    # The first execution commits, then SIGKILLs its own pool process before the ack;
+    # reject_on_worker_lost puts the message back and a new child runs it again.
+    wait_for(lambda: outcomes() == [Outcome.ALREADY_APPLIED], timeout=40,
+             what="the redelivered execution")
+    assert Counter.objects.get(name="k").value == 1
+    assert ProcessedOperation.objects.filter(key="counter:k:op:9").count() == 1
+    assert "WorkerLostError" in worker.log() or "signal 9" in worker.log()
+
+
+def test_same_key_with_other_arguments_is_a_conflict_dead_letter(start_worker, queue):
+    Counter.objects.create(name="c")
+    start_worker()
+    Increment().apply_async(kwargs={"name": "c", "op_id": "1", "amount": 1}, queue=queue)
+    wait_for(lambda: outcomes() == [Outcome.APPLIED], what="first apply")
+    Increment().apply_async(kwargs={"name": "c", "op_id": "1", "amount": 5}, queue=queue)
+    letter = wait_for(lambda: DeadLetter.objects.first(), what="conflict dead letter")
+    assert letter.reason == DeadLetterReason.CONFLICT
+    assert letter.idempotency_key == "counter:c:op:1"
+    assert "already applied with different arguments" in letter.error_message
+    assert letter.kwargs["amount"] == 5
+    assert Counter.objects.get(name="c").value == 1
+    assert outcomes() == [Outcome.APPLIED, Outcome.CONFLICT]
+
+
+def test_retry_delays_are_spread_capped_and_exhaustion_dead_letters(start_worker, queue):
+    start_worker(concurrency=2)
+    jobs = [f"j{i}" for i in range(16)]
+    for job in jobs:
+        AlwaysTransient().apply_async(args=[job], queue=queue)
+    wait_for(lambda: DeadLetter.objects.count() == len(jobs), timeout=60,
+             what="every job exhausted")
+    letters = DeadLetter.objects.all()
+    assert {d.reason for d in letters} == {DeadLetterReason.EXHAUSTED}
+    assert {d.attempts for d in letters} == {4}
+    # max_attempts=4: three retries scheduled, then exhausted: exactly four executions.
+    for job in jobs:
+        rows = list(Attempt.objects.filter(idempotency_key=f"transient:{job}")
+                    .order_by("attempt"))
+        assert [r.attempt for r in rows] == [1, 2, 3, 4]
+        assert [r.outcome for r in rows] == [Outcome.RETRY_SCHEDULED] * 3 + [Outcome.EXHAUSTED]
+        for before, after in zip(rows, rows[1:], strict=False):
+            # The next attempt did not start before its scheduled time.
+            assert after.started_at >= before.next_attempt_at - _ms(30)
+    delays = list(Attempt.objects.filter(outcome=Outcome.RETRY_SCHEDULED)
+                  .values_list("attempt", "retry_delay"))
+    for attempt, delay in delays:
+        assert 0 <= delay <= min(1.0, 0.2 * 2 ** (attempt - 1))
+    values = [d for _, d in delays]
+    # Full jitter: 48 delays are (almost surely) all different and spread out.
+    assert len(set(values)) == len(values)
+    assert statistics.pstdev(values) > 0.05
+    third = [d for a, d in delays if a == 3]
+    assert max(third) - min(third) > 0.25
+
+
+def test_retry_after_from_the_exception_wins_over_backoff(start_worker, queue):
+    start_worker()
+    Throttled().apply_async(args=["t1"], queue=queue)
+    wait_for(lambda: DeadLetter.objects.exists(), what="exhausted after one retry")
+    first, second = Attempt.objects.order_by("attempt")
+    assert first.retry_delay == 1.5
+    assert (second.started_at - first.finished_at).total_seconds() >= 1.4
+    assert second.outcome == Outcome.EXHAUSTED
+
+
+def test_retry_then_success_applies_once(start_worker, queue):
+    Counter.objects.create(name="r")
+    start_worker()
+    RetryThenSucceed().apply_async(args=["r", 2], queue=queue)
+    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists(),
+             what="applied after two retries")
+    rows = list(Attempt.objects.order_by("attempt"))
+    assert [r.outcome for r in rows] == [Outcome.RETRY_SCHEDULED, Outcome.RETRY_SCHEDULED,
+                                         Outcome.APPLIED]
+    assert rows[1].retry_delay == 0.05  # RetryAfter(0.05) on the second attempt
+    assert len({r.task_id for r in rows}) == 1  # a retry is the same job
+    assert Counter.objects.get(name="r").value == 1
+
+
+def test_permanent_error_dead_letters_after_exactly_one_attempt(start_worker, queue):
+    start_worker()
+    Declined().apply_async(args=[42], queue=queue)
+    Surprising().apply_async(args=["widget"], queue=queue)
+    wait_for(lambda: DeadLetter.objects.count() == 2, what="two dead letters")
+    declined = DeadLetter.objects.get(task_name="tests.declined")
+    assert declined.reason == DeadLetterReason.PERMANENT
+    assert declined.attempts == 1
+    assert declined.error_class == "builtins.ValueError"
+    assert declined.args == [42]
+    assert declined.idempotency_key == "payment:42:capture"
+    assert "card declined" in declined.traceback
+    surprising = DeadLetter.objects.get(task_name="tests.surprising")
+    assert surprising.reason == DeadLetterReason.UNCLASSIFIED
+    time.sleep(1.0)  # nothing retries behind our back
+    assert outcomes(task_name="tests.declined") == [Outcome.FAILED_PERMANENT]
+    assert outcomes(task_name="tests.surprising") == [Outcome.FAILED_UNCLASSIFIED]
+
+
+def _publish_undecodable(queue: str, task_id: str) -> None:
+    headers, properties, _body, _ = app.amqp.as_task_v2(task_id, "tests.increment",
+                                                         args=(), kwargs={})
+    with Connection(app.conf.broker_url) as conn:
+        Producer(conn).publish(b"{this is not json", routing_key=queue, headers=headers,
+                               content_type="application/json", content_encoding="utf-8",
+                               correlation_id=task_id)
+
+
+def test_bad_input_is_dead_lettered_on_first_delivery_and_worker_keeps_consuming(
+        start_worker, queue):
+    Counter.objects.create(name="after")
+    worker = start_worker()
+    wrong_args = app.send_task("tests.increment", args=["x", "1", 1, 0, False, "extra"],
+                               queue=queue)
+    missing_key = app.send_task("tests.optional_key", queue=queue)
+    unknown = app.send_task("shop.no_such_task", args=[1], queue=queue)
+    undecodable_id = str(uuid.uuid4())
+    _publish_undecodable(queue, undecodable_id)
+    Increment().apply_async(kwargs={"name": "after", "op_id": "1"}, queue=queue)
+
+    wait_for(lambda: DeadLetter.objects.count() == 4, what="four bad-input dead letters",
+             on_timeout=lambda: (list(DeadLetter.objects.values("task_name", "error_message")),
+                                 worker.log()[-3000:]))
+    wait_for(lambda: Counter.objects.get(name="after").value == 1, what="the good job")
+    letters = {d.task_id: d for d in DeadLetter.objects.all()}
+    assert {d.reason for d in letters.values()} == {DeadLetterReason.BAD_INPUT}
+    assert "tests.increment: arguments do not fit run" in letters[wrong_args.id].error_message
+    assert letters[wrong_args.id].args == ["x", "1", 1, 0, False, "extra"]
+    assert ("tests.optional_key: idempotency key field 'thing_id' is missing"
+            in letters[missing_key.id].error_message)
+    assert "unknown task name 'shop.no_such_task'" in letters[unknown.id].error_message
+    assert letters[unknown.id].args == [1]
+    assert "does not decode" in letters[undecodable_id].error_message
+    assert letters[undecodable_id].raw_body == "{this is not json"
+    assert worker.alive()
+    time.sleep(0.5)  # none of them is retried
+    assert DeadLetter.objects.count() == 4
+    assert outcomes(outcome=Outcome.BAD_INPUT) == [Outcome.BAD_INPUT] * 2
+
+
+def test_decorator_form_task_runs_with_module_level_effect(start_worker, queue):
+    Counter.objects.create(name="n")
+    start_worker()
+    note.apply_async(args=["n"], queue=queue)
+    note.apply_async(args=["n"], queue=queue)
+    wait_for(lambda: Attempt.objects.count() == 2, what="two attempts")
+    assert Counter.objects.get(name="n").value == 1
+    assert outcomes() == [Outcome.ALREADY_APPLIED, Outcome.APPLIED]
+
+
+def test_key_travels_in_headers_from_publish(redis_client, queue):
+    Increment().apply_async(kwargs={"name": "h", "op_id": "77"}, queue=queue)
+    raw = redis_client.lpop(queue)
+    assert raw is not None
+    message = json.loads(raw)
+    assert message["headers"]["idempotency_key"] == "counter:h:op:77"
+
+
+def test_publish_with_bad_arguments_fails_at_the_caller(redis_client, queue):
+    from celery_explicit import BadInput
+
+    with pytest.raises(BadInput, match="tests.increment: arguments do not fit"):
+        Increment().apply_async(kwargs={"nam": "h", "op_id": "1"}, queue=queue)
+    with pytest.raises(BadInput, match="tests.optional_key: idempotency key field 'thing_id'"):
+        OptionalKey().apply_async(queue=queue)
+    assert redis_client.llen(queue) == 0
+
+
+def _ms(n: int):  # type: ignore[no-untyped-def]
+    import datetime as dt
+
+    return dt.timedelta(milliseconds=n)

@@ -1,0 +1,211 @@
+"""Declarations are refused at definition, naming the task and the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_explicit import ContractError, ExplicitTask
+
+
+class GatewayTimeout(Exception):
+    pass
+
+
+class CardDeclined(Exception):
+    pass
+
+
+VALID: dict[str, Any] = {
+    "name": "shop.capture_payment",
+    "idempotency_key": "payment:{payment_id}:capture",
+    "visibility_timeout": 60,
+    "expected_duration": 5,
+    "retry_on": (GatewayTimeout,),
+    "fail_on": (CardDeclined,),
+}
+
+
+def define(**changes: Any) -> type[ExplicitTask]:
+    body = {**VALID, **changes}
+    body = {k: v for k, v in body.items() if v is not DROP}
+
+    def run(self: Any, payment_id: int) -> None:
+        return None
+
+    body.setdefault("run", run)
+    return type("CapturePayment", (ExplicitTask,), body)
+
+
+DROP = object()
+
+
+def test_a_complete_declaration_is_accepted() -> None:
+    task = define()
+    assert task.contract.task_name == "shop.capture_payment"
+    assert task.contract.visibility_timeout == 60.0
+    assert task.contract.retry.max_attempts == 5
+    assert task.acks_late is True
+    assert task.reject_on_worker_lost is True
+    assert task.serializer == "json"
+
+
+@pytest.mark.parametrize("field", ["idempotency_key", "visibility_timeout", "expected_duration",
+                                   "retry_on", "fail_on"])
+def test_each_missing_declaration_names_task_and_field(field: str) -> None:
+    with pytest.raises(ContractError) as caught:
+        define(**{field: DROP})
+    assert caught.value.field == field
+    assert "shop.capture_payment" in str(caught.value)
+    assert f"missing declaration {field!r}" in str(caught.value)
+
+
+def test_key_field_must_be_a_run_parameter() -> None:
+    with pytest.raises(ContractError, match=r"field 'order_id' is not a parameter of run\(\) "
+                                            r"\(parameters: payment_id\)"):
+        define(idempotency_key="order:{order_id}:ship")
+
+
+def test_key_without_any_field_is_refused() -> None:
+    with pytest.raises(ContractError, match="has no field"):
+        define(idempotency_key="capture-everything")
+
+
+def test_positional_key_field_is_refused() -> None:
+    with pytest.raises(ContractError, match="positional field"):
+        define(idempotency_key="payment:{}:capture")
+
+
+def test_callable_key_is_allowed_and_its_parameters_checked() -> None:
+    task = define(idempotency_key=lambda payment_id: f"payment:{payment_id}:capture")
+    assert callable(task.contract.idempotency_key)
+    with pytest.raises(ContractError, match="'order_id' is not a parameter"):
+        define(idempotency_key=lambda order_id: f"order:{order_id}")
+
+
+def test_visibility_timeout_without_safe_margin_is_refused() -> None:
+    # The article's incident: a 45 s job under a 30 s visibility timeout.
+    with pytest.raises(ContractError) as caught:
+        define(visibility_timeout=30, expected_duration=45)
+    assert caught.value.field == "visibility_timeout"
+    assert "no safe margin" in str(caught.value)
+    assert "at least 90s" in str(caught.value)
+    with pytest.raises(ContractError, match="no safe margin"):
+        define(visibility_timeout=9, expected_duration=5)
+    define(visibility_timeout=10, expected_duration=5)
+
+
+@pytest.mark.parametrize("value", [0, -1, "60", True, None])
+def test_visibility_timeout_must_be_positive_seconds(value: object) -> None:
+    with pytest.raises(ContractError, match="visibility_timeout"):
+        define(visibility_timeout=value)
+
+
+def test_class_both_retryable_and_permanent_is_refused() -> None:
+    with pytest.raises(ContractError, match="GatewayTimeout is declared both retryable"):
+        define(fail_on=(CardDeclined, GatewayTimeout))
+
+
+def test_retry_on_must_hold_exception_classes() -> None:
+    with pytest.raises(ContractError, match="retry_on holds 'timeout'"):
+        define(retry_on=("timeout",))
+    with pytest.raises(ContractError, match="must be a tuple of exception classes"):
+        define(fail_on=42)
+
+
+def test_typo_in_class_body_is_refused_with_a_hint() -> None:
+    with pytest.raises(ContractError, match=r"unknown option 'retry_onn'; did you mean "
+                                            r"'retry_on'\?"):
+        define(retry_onn=(GatewayTimeout,))
+
+
+def test_class_body_helpers_far_from_any_option_are_allowed() -> None:
+    task = define(gateway_client=object())
+    assert task.contract is not None
+
+
+@pytest.mark.parametrize(("option", "value", "needle"), [
+    ("serializer", "pickle", "code execution"),
+    ("acks_late", False, "acknowledged only after"),
+    ("reject_on_worker_lost", False, "delivered again"),
+    ("autoretry_for", (GatewayTimeout,), "retry_on / fail_on"),
+    ("max_retries", 3, "max_attempts"),
+])
+def test_options_that_would_undo_the_contract_are_refused(option: str, value: object,
+                                                          needle: str) -> None:
+    with pytest.raises(ContractError, match=needle) as caught:
+        define(**{option: value})
+    assert caught.value.field == option
+
+
+def test_unclassified_and_attempt_options_are_validated() -> None:
+    with pytest.raises(ContractError, match="choose 'permanent' or 'retry'"):
+        define(unclassified="ignore")
+    with pytest.raises(ContractError, match="max_attempts=0"):
+        define(max_attempts=0)
+    with pytest.raises(ContractError, match="backoff_cap=1s is below backoff_base=2s"):
+        define(backoff_base=2, backoff_cap=1)
+    assert define(unclassified="retry").contract.retry.unclassified.value == "retry"
+
+
+def test_abstract_base_is_validated_through_its_subclasses() -> None:
+    base = type("ShopTask", (ExplicitTask,), {"abstract": True, "visibility_timeout": 60,
+                                               "expected_duration": 5})
+
+    def run(self: Any, order_id: int) -> None:
+        return None
+
+    concrete = type("Ship", (base,), {"name": "shop.ship", "run": run,
+                                      "idempotency_key": "order:{order_id}:ship",
+                                      "retry_on": (), "fail_on": ()})
+    assert concrete.contract.visibility_timeout == 60.0
+    with pytest.raises(ContractError, match="missing declaration 'retry_on'"):
+        type("Ship2", (base,), {"name": "shop.ship2", "run": run,
+                                "idempotency_key": "order:{order_id}:ship"})
+
+
+def make_app() -> Celery:
+    return Celery("contract-tests", set_as_current=False, broker="memory://")
+
+
+def test_decorator_form_is_accepted_and_validated() -> None:
+    app = make_app()
+
+    @app.task(base=ExplicitTask, shared=False, name="shop.send_invoice_email",
+              idempotency_key="invoice:{invoice_id}:send_email", visibility_timeout=120,
+              expected_duration=10, retry_on=(GatewayTimeout,), fail_on=(CardDeclined,))
+    def send_invoice_email(invoice_id: int) -> None:
+        return None
+
+    assert send_invoice_email.contract.task_name == "shop.send_invoice_email"
+    assert send_invoice_email.contract.run_parameters == ("invoice_id",)
+
+
+def test_decorator_form_refuses_any_unknown_option() -> None:
+    app = make_app()
+
+    @app.task(base=ExplicitTask, shared=False, name="shop.send_invoice_email_typo",
+              idempotency_key="invoice:{invoice_id}:send_email", visibility_timeout=120,
+              expected_duration=10, retry_on=(GatewayTimeout,), fail_on=(),
+              retry_onn=(CardDeclined,))
+    def send_invoice_email(invoice_id: int) -> None:
+        return None
+
+    # Celery returns a lazy proxy until the app finalizes: the error surfaces then.
+    with pytest.raises(ContractError, match=r"shop.send_invoice_email_typo: unknown option "
+                                            r"'retry_onn'; did you mean 'retry_on'\?"):
+        app.finalize(auto=True)
+
+
+def test_decorator_form_with_bind_checks_parameters_after_self() -> None:
+    app = make_app()
+
+    @app.task(base=ExplicitTask, shared=False, bind=True, name="shop.bound",
+              idempotency_key="invoice:{invoice_id}", visibility_timeout=120,
+              expected_duration=10, retry_on=(), fail_on=())
+    def bound(self: Any, invoice_id: int) -> None:
+        return None
+
+    assert bound.contract.run_parameters == ("invoice_id",)

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import pytest
+
+from celery_explicit import BadInput
+from celery_explicit.idempotency import fingerprint, render_key, template_fields
+
+
+def test_template_fields_take_the_root_name() -> None:
+    assert template_fields("order:{order.id}:{items[0]}:{kind}") == ["order", "items", "kind"]
+
+
+def test_render_key_uses_given_arguments() -> None:
+    assert render_key("t", "payment:{payment_id}:capture", {"payment_id": 7}) == \
+        "payment:7:capture"
+
+
+@pytest.mark.parametrize(("given", "needle"), [
+    ({}, "field 'payment_id' is missing from the arguments"),
+    ({"payment_id": None}, "field 'payment_id' is None"),
+    ({"payment_id": "x" * 300}, "longer than 255"),
+])
+def test_render_key_refuses_bad_input_naming_task_and_field(given: dict[str, object],
+                                                            needle: str) -> None:
+    with pytest.raises(BadInput, match=needle) as caught:
+        render_key("shop.capture", "payment:{payment_id}:capture", given)
+    assert caught.value.task_name == "shop.capture"
+
+
+def test_callable_key() -> None:
+    def key(order_id: int, line: int) -> str:
+        return f"order:{order_id}:line:{line}"
+
+    assert render_key("t", key, {"order_id": 1, "line": 2, "other": 3}) == "order:1:line:2"
+    with pytest.raises(BadInput, match="'line' is missing"):
+        render_key("t", key, {"order_id": 1})
+    with pytest.raises(BadInput, match="not a non-empty string"):
+        render_key("t", lambda order_id: "", {"order_id": 1})
+
+
+def test_fingerprint_is_stable_and_argument_sensitive() -> None:
+    assert fingerprint({"a": 1, "b": 2}) == fingerprint({"b": 2, "a": 1})
+    assert fingerprint({"a": 1, "b": 2}) != fingerprint({"a": 1, "b": 3})
