@@ -296,6 +296,7 @@ class ExplicitTask(Task):  # type: ignore[misc]
                 error_class=_qualname(exc), error_message=str(exc)[:4000],
                 traceback="".join(tb.format_exception(exc)), attempts=attempt,
                 correlation_id=correlation,
+                queue=str((request.delivery_info or {}).get("routing_key") or ""),
             )
         except DatabaseError as db_exc:
             # The dead letter is the only copy once the message is acked: keep the

@@ -22,7 +22,8 @@ from django_outbox.models import DeadLetter, DeadLetterReason, DeadLetterStatus
 def record(*, task_id: str | None, task_name: str, reason: DeadLetterReason,
            args: Any = (), kwargs: Any = None, raw_body: str = "",
            idempotency_key: str = "", error_class: str = "", error_message: str = "",
-           traceback: str = "", attempts: int = 1, correlation_id: str = "") -> DeadLetter:
+           traceback: str = "", attempts: int = 1, correlation_id: str = "",
+           queue: str = "") -> DeadLetter:
     """Insert or update the dead letter of ``task_id``.
 
     A message redelivered after a crash may fail again: it updates its row (attempts,
@@ -35,7 +36,7 @@ def record(*, task_id: str | None, task_name: str, reason: DeadLetterReason,
         kwargs=_jsonable(kwargs if kwargs is not None else {}),
         idempotency_key=idempotency_key[:255], error_class=error_class[:255],
         error_message=error_message, traceback=traceback, attempts=attempts,
-        last_attempt=now, correlation_id=correlation_id[:255],
+        last_attempt=now, correlation_id=correlation_id[:255], queue=queue[:255],
         status=DeadLetterStatus.OPEN,
     )
     letter, _ = DeadLetter.objects.using(settings.database).update_or_create(
@@ -70,7 +71,7 @@ def replay(letter: DeadLetter, *, by: str) -> str:
         # Published after commit: a rollback of the status change publishes nothing.
         transaction.on_commit(lambda: app.send_task(
             letter.task_name, args=letter.args, kwargs=letter.kwargs, task_id=new_id,
-            headers=headers), using=settings.database)
+            headers=headers, queue=letter.queue or None), using=settings.database)
     letter.refresh_from_db()
     return new_id
 

@@ -134,6 +134,8 @@ class DeadLetter(models.Model):
     first_seen = models.DateTimeField()
     last_attempt = models.DateTimeField()
     correlation_id = models.CharField(max_length=255, blank=True, default="")
+    queue = models.CharField(max_length=255, blank=True, default="",
+                             help_text="routing key it was consumed from; replays go back there")
     status = models.CharField(max_length=16, choices=DeadLetterStatus.choices,
                               default=DeadLetterStatus.OPEN)
     replayed_task_id = models.CharField(max_length=255, blank=True, default="")

@@ -52,6 +52,7 @@ def _record(*, task_id: str | None, task_name: str, message: Any, error_class: s
             idempotency_key=str(headers.get(KEY_HEADER) or ""),
             error_class=error_class, error_message=error_message,
             correlation_id=str(headers.get(CORRELATION_HEADER) or ""),
+            queue=str((getattr(message, "delivery_info", None) or {}).get("routing_key") or ""),
         )
     except DatabaseError:
         # Celery acks or rejects the message after this returns; the log line is then

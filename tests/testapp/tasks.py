@@ -47,14 +47,21 @@ class Increment(ExplicitTask):
         return eff.result_ref
 
 
-@app.task(name="tests.increment_unguarded", acks_late=True)
-def increment_unguarded(name: str, op_id: str, amount: int = 1, hold: float = 0.0) -> None:
-    """Negative control: the same update without the ledger."""
+@app.task(name="tests.increment_unguarded", acks_late=True, reject_on_worker_lost=True)
+def increment_unguarded(name: str, op_id: str, amount: int = 1, hold: float = 0.0,
+                        die_after_effect: bool = False) -> None:
+    """Negative control: the same update and the same crash, without the ledger."""
+    import redis
+    from django.conf import settings
     from django.db import transaction
 
     with transaction.atomic():
         Counter.objects.filter(name=name).update(value=F("value") + amount)
         time.sleep(hold)
+    # Die once per operation (a marker in Redis), or the redelivery would die forever.
+    if die_after_effect and redis.Redis.from_url(settings.REDIS_URL).set(
+            f"died:{name}:{op_id}", 1, nx=True, ex=300):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class AlwaysTransient(ExplicitTask):

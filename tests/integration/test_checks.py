@@ -1,0 +1,83 @@
+"""``manage.py check`` findings, and the migrations check."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+from django.test import override_settings
+
+from django_outbox import checks
+from tests.celery_app import app
+
+
+@pytest.fixture
+def conf() -> Iterator[Any]:
+    saved = {k: app.conf.get(k) for k in ("broker_transport_options", "accept_content",
+                                          "result_serializer")}
+    yield app.conf
+    for key, value in saved.items():
+        app.conf[key] = value
+
+
+def ids(messages: list[Any]) -> list[str]:
+    return sorted(m.id for m in messages)
+
+
+def test_clean_configuration_has_no_findings(conf: Any) -> None:
+    assert checks.check_celery_configuration() == []
+    call_command("check")
+
+
+def test_broker_visibility_shorter_than_a_task_lease_is_an_error(conf: Any) -> None:
+    conf.broker_transport_options = {"visibility_timeout": 25}
+    found = checks.check_celery_configuration()
+    errors = [m for m in found if m.id == "django_outbox.E003"]
+    # tests.increment and friends declare 30 s; tests.note declares 20 s.
+    assert "tests.increment" in {m.obj for m in errors}
+    assert "tests.note" not in {m.obj for m in errors}
+    assert "visibility_timeout=30s" in errors[0].msg
+    assert "raise broker_transport_options" in errors[0].hint.lower()
+    with pytest.raises(SystemCheckError, match="django_outbox.E003"):
+        call_command("check")
+
+
+def test_backoff_cap_longer_than_the_backstop_is_a_warning(conf: Any) -> None:
+    conf.broker_transport_options = {"visibility_timeout": 45}
+    found = checks.check_celery_configuration()
+    assert ids(found) == ["django_outbox.W001"] * len(found)
+    assert {m.obj for m in found} >= {"tests.increment"}  # backoff_cap 60 s by default
+
+
+def test_pickle_is_an_error(conf: Any) -> None:
+    conf.accept_content = ["json", "pickle"]
+    found = checks.check_celery_configuration()
+    assert ids(found) == ["django_outbox.E002"]
+    assert "accept_content" in found[0].msg
+
+
+def test_contract_error_of_a_decorator_task_surfaces_in_check() -> None:
+    with override_settings(EXPLICIT_CELERY_APP="tests.broken_app.app"):
+        found = checks.check_celery_configuration()
+    assert ids(found) == ["django_outbox.E001"]
+    assert "tests.broken_missing_key: missing declaration 'idempotency_key'" in found[0].msg
+    assert found[0].obj == "tests.broken_missing_key"
+
+
+def test_unimportable_app_setting_is_an_error() -> None:
+    with override_settings(EXPLICIT_CELERY_APP="tests.nowhere.app"):
+        found = checks.check_celery_configuration()
+    assert ids(found) == ["django_outbox.E004"]
+
+
+@pytest.mark.django_db
+def test_ledger_database_is_supported() -> None:
+    assert checks.check_ledger_database() == []
+
+
+@pytest.mark.django_db
+def test_models_and_migrations_agree() -> None:
+    call_command("makemigrations", "--check", "--dry-run", verbosity=0)

@@ -1,0 +1,99 @@
+"""Dead letters in the admin: read-only evidence; replay and discard need their permission."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+from django.utils import timezone
+
+from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, DeadLetterStatus, Outcome
+from tests.testapp.models import Counter
+from tests.workers import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHANGELIST = "/admin/django_outbox/deadletter/"
+
+
+def staff(*perms: str) -> Client:
+    user = User.objects.create_user("op-" + "-".join(perms or ("none",)), password="pw",
+                                    is_staff=True)
+    user.user_permissions.add(*Permission.objects.filter(
+        codename__in=["view_deadletter", *perms]))
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def letter(queue: str = "", **kw: object) -> DeadLetter:
+    now = timezone.now()
+    fields = dict(task_id=f"t-{DeadLetter.objects.count()}", task_name="tests.increment",
+                  kwargs={"name": "replayed", "op_id": "1"}, args=[],
+                  idempotency_key="counter:replayed:op:1", reason=DeadLetterReason.PERMANENT,
+                  error_class="builtins.ValueError", error_message="boom", first_seen=now,
+                  last_attempt=now, queue=queue)
+    fields.update(kw)
+    return DeadLetter.objects.create(**fields)
+
+
+def act(client: Client, action: str, *letters: DeadLetter):  # type: ignore[no-untyped-def]
+    return client.post(CHANGELIST, {"action": action, "_selected_action":
+                                    [str(d.pk) for d in letters]}, follow=True)
+
+
+def test_dead_letters_are_read_only_evidence() -> None:
+    d = letter()
+    client = staff("change_deadletter", "delete_deadletter", "add_deadletter")
+    page = client.get(f"{CHANGELIST}{d.pk}/change/")
+    assert page.status_code == 200
+    assert b'name="_save"' not in page.content
+    assert client.get(f"{CHANGELIST}add/").status_code == 403
+    assert client.post(f"{CHANGELIST}{d.pk}/delete/", {"post": "yes"}).status_code == 403
+    assert DeadLetter.objects.filter(pk=d.pk).exists()
+
+
+def test_replay_and_discard_are_not_offered_without_permission(redis_client) -> None:
+    d = letter(queue="q-none")
+    client = staff()
+    page = client.get(CHANGELIST)
+    assert b'value="replay"' not in page.content
+    assert b'value="discard"' not in page.content
+    act(client, "replay", d)
+    act(client, "discard", d)
+    d.refresh_from_db()
+    assert d.status == DeadLetterStatus.OPEN
+    assert redis_client.llen("q-none") == 0
+
+
+def test_discard_closes_the_letter_and_keeps_it() -> None:
+    d = letter()
+    client = staff("discard_deadletter")
+    assert b'value="replay"' not in client.get(CHANGELIST).content
+    response = act(client, "discard", d)
+    assert b"Discarded 1 dead letter" in response.content
+    d.refresh_from_db()
+    assert d.status == DeadLetterStatus.DISCARDED
+    assert d.resolved_by.startswith("op-")
+
+
+@pytest.mark.worker
+def test_replay_republishes_with_the_same_key_and_links_the_attempt(start_worker,
+                                                                   queue) -> None:
+    Counter.objects.create(name="replayed")
+    d = letter(queue=queue)
+    start_worker()
+    client = staff("replay_deadletter")
+    response = act(client, "replay", d)
+    assert b"Replayed 1 dead letter" in response.content
+    d.refresh_from_db()
+    assert d.status == DeadLetterStatus.REPLAYED
+    attempt = wait_for(lambda: Attempt.objects.filter(task_id=d.replayed_task_id).first(),
+                       what="the replayed attempt")
+    assert attempt.outcome == Outcome.APPLIED
+    assert attempt.idempotency_key == d.idempotency_key
+    assert attempt.replay_of == d.pk
+    assert Counter.objects.get(name="replayed").value == 1
+    # A second replay of the same letter is refused: it is no longer open.
+    act(client, "replay", d)
+    assert Attempt.objects.count() == 1
