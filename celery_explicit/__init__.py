@@ -19,15 +19,15 @@ from celery_explicit.retry_policy import Unclassified
 from celery_explicit.task import ExplicitTask, effect
 
 __all__ = [
-    # declaring a task
-    "ExplicitTask",
-    "effect",
-    # retry classification
-    "RetryAfter",
-    "Unclassified",
     # errors
     "BadInput",
     "ContractError",
     "ExplicitError",
+    # declaring a task
+    "ExplicitTask",
     "IdempotencyConflict",
+    # retry classification
+    "RetryAfter",
+    "Unclassified",
+    "effect",
 ]

@@ -54,10 +54,22 @@ FIXED_CELERY_OPTIONS: Mapping[str, tuple[object, str]] = {
 }
 
 # Keys Celery itself puts in the class dict of a decorator-declared task.
-_CELERY_DECORATOR_KEYS = frozenset({
-    "app", "name", "run", "_decorated", "__doc__", "__module__", "__qualname__",
-    "__header__", "__wrapped__", "__annotations__", "_decorated_fun", "_dump_pydantic_arguments",
-})
+_CELERY_DECORATOR_KEYS = frozenset(
+    {
+        "app",
+        "name",
+        "run",
+        "_decorated",
+        "__doc__",
+        "__module__",
+        "__qualname__",
+        "__header__",
+        "__wrapped__",
+        "__annotations__",
+        "_decorated_fun",
+        "_dump_pydantic_arguments",
+    }
+)
 _CELERY_TASK_ATTRS = frozenset(dir(Task))
 
 
@@ -105,51 +117,67 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
             raise refuse(f"option {option!r} is not used by ExplicitTask: {hint}", option)
     for option, (value, why) in FIXED_CELERY_OPTIONS.items():
         if option in namespace and namespace[option] != value:
-            raise refuse(f"{option}={namespace[option]!r} is refused; ExplicitTask needs "
-                         f"{option}={value!r}: {why}", option)
+            raise refuse(
+                f"{option}={namespace[option]!r} is refused; ExplicitTask needs "
+                f"{option}={value!r}: {why}",
+                option,
+            )
 
-    missing = [field for field in REQUIRED if getattr(cls, field, None) is None]
+    declared = {field: getattr(cls, field, None) for field in REQUIRED}
+    missing = [field for field, value in declared.items() if value is None]
     if missing:
-        raise refuse(f"missing declaration {missing[0]!r} (every ExplicitTask declares "
-                     f"{', '.join(REQUIRED)})", missing[0])
+        raise refuse(
+            f"missing declaration {missing[0]!r} (every ExplicitTask declares "
+            f"{', '.join(REQUIRED)})",
+            missing[0],
+        )
 
     sig, _ = run_signature(cls)
-    params = tuple(p.name for p in sig.parameters.values()
-                   if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    params = tuple(
+        p.name
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    )
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
 
     key = _key_declaration(cls)
     _check_key_fields(key, params, takes_kwargs, refuse)
 
-    visibility = _positive(getattr(cls, "visibility_timeout"), "visibility_timeout", refuse)
-    expected = _positive(getattr(cls, "expected_duration"), "expected_duration", refuse)
+    visibility = _positive(declared["visibility_timeout"], "visibility_timeout", refuse)
+    expected = _positive(declared["expected_duration"], "expected_duration", refuse)
     if visibility < expected * SAFE_MARGIN_FACTOR:
         raise refuse(
             f"visibility_timeout={visibility:g}s leaves no safe margin over "
             f"expected_duration={expected:g}s: declare at least "
             f"{expected * SAFE_MARGIN_FACTOR:g}s ({SAFE_MARGIN_FACTOR:g}x), or a second "
-            "worker may take the job while the first still runs", "visibility_timeout")
+            "worker may take the job while the first still runs",
+            "visibility_timeout",
+        )
 
-    retry_on = _exception_classes(getattr(cls, "retry_on"), "retry_on", refuse)
-    fail_on = _exception_classes(getattr(cls, "fail_on"), "fail_on", refuse)
+    retry_on = _exception_classes(declared["retry_on"], "retry_on", refuse)
+    fail_on = _exception_classes(declared["fail_on"], "fail_on", refuse)
     both = [k.__name__ for k in retry_on if k in fail_on]
     if both:
-        raise refuse(f"{both[0]} is declared both retryable (retry_on) and permanent "
-                     "(fail_on): pick one", "fail_on")
+        raise refuse(
+            f"{both[0]} is declared both retryable (retry_on) and permanent (fail_on): pick one",
+            "fail_on",
+        )
 
     raw_unclassified = getattr(cls, "unclassified", DEFAULTS["unclassified"])
     try:
         unclassified = Unclassified(getattr(raw_unclassified, "value", raw_unclassified))
     except ValueError:
-        raise refuse(f"unclassified={raw_unclassified!r}: choose 'permanent' or 'retry'",
-                     "unclassified") from None
+        raise refuse(
+            f"unclassified={raw_unclassified!r}: choose 'permanent' or 'retry'", "unclassified"
+        ) from None
 
     max_attempts = getattr(cls, "max_attempts", DEFAULTS["max_attempts"])
     if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
-        raise refuse(f"max_attempts={max_attempts!r} must be an integer >= 1 "
-                     "(it counts the first attempt)", "max_attempts")
-    base = _positive(getattr(cls, "backoff_base", DEFAULTS["backoff_base"]),
-                     "backoff_base", refuse)
+        raise refuse(
+            f"max_attempts={max_attempts!r} must be an integer >= 1 (it counts the first attempt)",
+            "max_attempts",
+        )
+    base = _positive(getattr(cls, "backoff_base", DEFAULTS["backoff_base"]), "backoff_base", refuse)
     cap = _positive(getattr(cls, "backoff_cap", DEFAULTS["backoff_cap"]), "backoff_cap", refuse)
     if cap < base:
         raise refuse(f"backoff_cap={cap:g}s is below backoff_base={base:g}s", "backoff_cap")
@@ -159,8 +187,14 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         idempotency_key=key,
         visibility_timeout=visibility,
         expected_duration=expected,
-        retry=RetryPolicy(retry_on=retry_on, fail_on=fail_on, unclassified=unclassified,
-                          max_attempts=max_attempts, backoff_base=base, backoff_cap=cap),
+        retry=RetryPolicy(
+            retry_on=retry_on,
+            fail_on=fail_on,
+            unclassified=unclassified,
+            max_attempts=max_attempts,
+            backoff_base=base,
+            backoff_cap=cap,
+        ),
         run_parameters=params,
         run_takes_kwargs=takes_kwargs,
     )
@@ -175,8 +209,9 @@ def _refuse_unknown_options(name: str, namespace: Mapping[str, Any], refuse: Ref
     for option in namespace:
         if option in known or option.startswith("__"):
             continue
-        close = difflib.get_close_matches(option, sorted(known - _CELERY_DECORATOR_KEYS),
-                                          n=1, cutoff=0.75)
+        close = difflib.get_close_matches(
+            option, sorted(known - _CELERY_DECORATOR_KEYS), n=1, cutoff=0.75
+        )
         # A decorator's keyword arguments are all options, so any unknown one is a typo.
         # A class body may hold the task's own helpers: refuse only near-misses there.
         if decorated or close:
@@ -195,14 +230,17 @@ def _key_declaration(cls: type) -> idempotency.KeyDeclaration:
             if isinstance(raw, str) or callable(raw):
                 return raw  # type: ignore[no-any-return]
             break
-    raise ContractError(str(getattr(cls, "name", cls.__qualname__)),
-                        "idempotency_key must be a template string like "
-                        "'payment:{payment_id}:capture' or a callable",
-                        field="idempotency_key")
+    raise ContractError(
+        str(getattr(cls, "name", cls.__qualname__)),
+        "idempotency_key must be a template string like "
+        "'payment:{payment_id}:capture' or a callable",
+        field="idempotency_key",
+    )
 
 
-def _check_key_fields(key: idempotency.KeyDeclaration, params: tuple[str, ...],
-                      takes_kwargs: bool, refuse: Refuse) -> None:
+def _check_key_fields(
+    key: idempotency.KeyDeclaration, params: tuple[str, ...], takes_kwargs: bool, refuse: Refuse
+) -> None:
     if isinstance(key, str):
         if not key.strip():
             raise refuse("idempotency_key is empty", "idempotency_key")
@@ -211,17 +249,23 @@ def _check_key_fields(key: idempotency.KeyDeclaration, params: tuple[str, ...],
         except ValueError as exc:
             raise refuse(f"idempotency_key {key!r}: {exc}", "idempotency_key") from None
         if not fields:
-            raise refuse(f"idempotency_key {key!r} has no field: every message would "
-                         "share one key; build it from the business identity, e.g. "
-                         "'payment:{payment_id}:capture'", "idempotency_key")
+            raise refuse(
+                f"idempotency_key {key!r} has no field: every message would "
+                "share one key; build it from the business identity, e.g. "
+                "'payment:{payment_id}:capture'",
+                "idempotency_key",
+            )
     else:
         fields, key_takes_kwargs = idempotency.callable_fields(key)
         if key_takes_kwargs and not fields:
             return
     unknown = [f for f in fields if f not in params]
     if unknown and not takes_kwargs:
-        raise refuse(f"idempotency_key field {unknown[0]!r} is not a parameter of run() "
-                     f"(parameters: {', '.join(params) or 'none'})", "idempotency_key")
+        raise refuse(
+            f"idempotency_key field {unknown[0]!r} is not a parameter of run() "
+            f"(parameters: {', '.join(params) or 'none'})",
+            "idempotency_key",
+        )
 
 
 def _positive(value: object, field: str, refuse: Refuse) -> float:
@@ -230,13 +274,16 @@ def _positive(value: object, field: str, refuse: Refuse) -> float:
     return float(value)
 
 
-def _exception_classes(value: object, field: str,
-                       refuse: Refuse) -> tuple[type[BaseException], ...]:
+def _exception_classes(
+    value: object, field: str, refuse: Refuse
+) -> tuple[type[BaseException], ...]:
     if isinstance(value, type):
         value = (value,)
     if not isinstance(value, tuple | list):
-        raise refuse(f"{field}={value!r} must be a tuple of exception classes "
-                     "(an empty tuple says 'none')", field)
+        raise refuse(
+            f"{field}={value!r} must be a tuple of exception classes (an empty tuple says 'none')",
+            field,
+        )
     for item in value:
         if not (isinstance(item, type) and issubclass(item, BaseException)):
             raise refuse(f"{field} holds {item!r}, which is not an exception class", field)

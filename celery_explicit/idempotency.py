@@ -51,13 +51,11 @@ def template_fields(template: str) -> list[str]:
 def callable_fields(key: Callable[..., str]) -> tuple[list[str], bool]:
     """Parameter names a key callable takes, and whether it accepts ``**kwargs``."""
     params = inspect.signature(key).parameters.values()
-    names = [p.name for p in params
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
-def render_key(task_name: str, declaration: KeyDeclaration,
-               given: Mapping[str, Any]) -> str:
+def render_key(task_name: str, declaration: KeyDeclaration, given: Mapping[str, Any]) -> str:
     """Render the key from the arguments the caller *gave* (defaults are not identity).
 
     Raises ``BadInput`` naming the task and the field when a field is missing or None:
@@ -68,31 +66,41 @@ def render_key(task_name: str, declaration: KeyDeclaration,
         wanted = given if takes_kwargs else {n: given[n] for n in names if n in given}
         missing = [n for n in names if n not in given]
         if missing and not takes_kwargs:
-            raise BadInput(task_name, f"idempotency key field {missing[0]!r} "
-                                      "is missing from the arguments")
+            raise BadInput(
+                task_name, f"idempotency key field {missing[0]!r} is missing from the arguments"
+            )
         try:
             key = declaration(**wanted)
         except (KeyError, AttributeError, TypeError, ValueError) as exc:
             raise BadInput(task_name, f"idempotency key callable failed: {exc!r}") from exc
         if not isinstance(key, str) or not key:
-            raise BadInput(task_name, f"idempotency key callable returned {key!r}, "
-                                      "not a non-empty string")
+            raise BadInput(
+                task_name, f"idempotency key callable returned {key!r}, not a non-empty string"
+            )
     else:
         for field in template_fields(declaration):
             if field not in given:
-                raise BadInput(task_name, f"idempotency key field {field!r} is missing "
-                                          f"from the arguments (key {declaration!r})")
+                raise BadInput(
+                    task_name,
+                    f"idempotency key field {field!r} is missing "
+                    f"from the arguments (key {declaration!r})",
+                )
             if given[field] is None:
-                raise BadInput(task_name, f"idempotency key field {field!r} is None "
-                                          f"(key {declaration!r})")
+                raise BadInput(
+                    task_name, f"idempotency key field {field!r} is None (key {declaration!r})"
+                )
         try:
             key = declaration.format(**given)
         except (KeyError, AttributeError, IndexError, ValueError) as exc:
-            raise BadInput(task_name, f"cannot render idempotency key {declaration!r}: "
-                                      f"{exc!r}") from exc
+            raise BadInput(
+                task_name, f"cannot render idempotency key {declaration!r}: {exc!r}"
+            ) from exc
     if len(key) > MAX_KEY_LENGTH:
-        raise BadInput(task_name, f"idempotency key is {len(key)} characters, "
-                                  f"longer than {MAX_KEY_LENGTH}: {key[:40]!r}...")
+        raise BadInput(
+            task_name,
+            f"idempotency key is {len(key)} characters, "
+            f"longer than {MAX_KEY_LENGTH}: {key[:40]!r}...",
+        )
     return key
 
 

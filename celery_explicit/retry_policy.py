@@ -64,8 +64,9 @@ class RetryPolicy:
             return self.unclassified is Unclassified.RETRY
         return kind is Classification.RETRY
 
-    def delay(self, attempt: int, exc: BaseException | None = None, *,
-              rng: random.Random | None = None) -> float:
+    def delay(
+        self, attempt: int, exc: BaseException | None = None, *, rng: random.Random | None = None
+    ) -> float:
         """Seconds to wait before attempt ``attempt + 1``; ``attempt`` counts from 1.
 
         A ``retry_after`` carried by the exception (a 429's Retry-After header) wins
@@ -77,8 +78,9 @@ class RetryPolicy:
         return backoff_delay(attempt, base=self.backoff_base, cap=self.backoff_cap, rng=rng)
 
 
-def backoff_delay(attempt: int, *, base: float, cap: float,
-                  rng: random.Random | None = None) -> float:
+def backoff_delay(
+    attempt: int, *, base: float, cap: float, rng: random.Random | None = None
+) -> float:
     """Full-jitter exponential backoff for the ``attempt``-th failure (1-based)."""
     if attempt < 1:
         raise ValueError(f"attempt counts from 1, got {attempt}")

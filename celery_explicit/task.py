@@ -27,7 +27,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task, current_task
-from celery.exceptions import Retry
+from celery.exceptions import InvalidTaskError, Retry
 from celery.worker.request import Request
 from django.db import DatabaseError
 from django.utils import timezone
@@ -62,7 +62,7 @@ class Execution:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class ExplicitTask(Task):  # type: ignore[misc]
+class ExplicitTask(Task):  # type: ignore[type-arg]
     """Base class for tasks with an explicit contract. See the module docstring."""
 
     # Fixed for every ExplicitTask; contract.build refuses other values.
@@ -104,15 +104,23 @@ class ExplicitTask(Task):  # type: ignore[misc]
 
     # --- publishing ---------------------------------------------------------------
 
-    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
-                    producer: Any = None, link: Any = None, link_error: Any = None,
-                    shadow: str | None = None, **options: Any) -> Any:
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
         """Publish with the rendered key in the headers; bad input never leaves the caller.
 
         The key travels from the moment of publishing, so a consumer, a log line or a
         downstream sees the same key the ledger will use.
         """
-        arguments, given = self.bind_arguments(tuple(args or ()), dict(kwargs or {}))
+        _arguments, given = self.bind_arguments(tuple(args or ()), dict(kwargs or {}))
         key = idempotency.render_key(self.name, self.contract.idempotency_key, given)
         headers = dict(options.pop("headers", None) or {})
         headers[idempotency.KEY_HEADER] = key
@@ -121,11 +129,13 @@ class ExplicitTask(Task):  # type: ignore[misc]
             correlation = getattr(parent, idempotency.CORRELATION_HEADER, None) if parent else None
             if correlation:
                 headers[idempotency.CORRELATION_HEADER] = correlation
-        return super().apply_async(args, kwargs, task_id, producer, link, link_error,
-                                   shadow, headers=headers, **options)
+        return super().apply_async(
+            args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
+        )
 
-    def bind_arguments(self, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def bind_arguments(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """(all arguments with defaults, the arguments the caller gave) or BadInput."""
         sig, _ = contract_mod.run_signature(type(self))
         try:
@@ -154,9 +164,15 @@ class ExplicitTask(Task):  # type: ignore[misc]
             execution = self._begin(request, args, kwargs)
         except BadInput as exc:
             self._dead_letter_and_audit(
-                request, args, kwargs, exc, started=started, key="",
-                outcome_name="BAD_INPUT", reason_name="BAD_INPUT")
-            _mark(exc)
+                request,
+                args,
+                kwargs,
+                exc,
+                started=started,
+                key="",
+                outcome_name="BAD_INPUT",
+                reason_name="BAD_INPUT",
+            )
             raise
 
         try:
@@ -167,17 +183,24 @@ class ExplicitTask(Task):  # type: ignore[misc]
             raise
         except IdempotencyConflict as exc:
             metrics.duplicates_absorbed.labels(self.name, "arguments").inc()
-            self._dead_letter_and_audit(request, args, kwargs, exc, started=started,
-                                        key=execution.key, outcome_name="CONFLICT",
-                                        reason_name="CONFLICT", execution=execution)
-            _mark(exc)
+            self._dead_letter_and_audit(
+                request,
+                args,
+                kwargs,
+                exc,
+                started=started,
+                key=execution.key,
+                outcome_name="CONFLICT",
+                reason_name="CONFLICT",
+                execution=execution,
+            )
             raise
         except Exception as exc:
             self._handle_error(execution, request, args, kwargs, exc, started=started)
-            _mark(exc)
             raise
-        self._audit(execution, execution.outcome.name if execution.outcome else "SUCCEEDED",
-                    started=started)
+        self._audit(
+            execution, execution.outcome.name if execution.outcome else "SUCCEEDED", started=started
+        )
         return result
 
     def _begin(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Execution:
@@ -187,25 +210,42 @@ class ExplicitTask(Task):  # type: ignore[misc]
         # arguments it is about to run with, and that one is the key of record.
         request.idempotency_key = key
         execution = Execution(
-            task_name=self.name, task_id=str(request.id or ""), key=key,
-            fingerprint=idempotency.fingerprint(arguments), arguments=arguments,
-            attempt=int(request.retries or 0) + 1, started_at=timezone.now(),
-            correlation_id=str(getattr(request, idempotency.CORRELATION_HEADER, None)
-                               or request.root_id or request.id or ""),
+            task_name=self.name,
+            task_id=str(request.id or ""),
+            key=key,
+            fingerprint=idempotency.fingerprint(arguments),
+            arguments=arguments,
+            attempt=int(request.retries or 0) + 1,
+            started_at=timezone.now(),
+            correlation_id=str(
+                getattr(request, idempotency.CORRELATION_HEADER, None)
+                or request.root_id
+                or request.id
+                or ""
+            ),
         )
         request.explicit = execution
         return execution
 
-    def _handle_error(self, execution: Execution, request: Any, args: tuple[Any, ...],
-                      kwargs: dict[str, Any], exc: Exception, *, started: datetime) -> None:
+    def _handle_error(
+        self,
+        execution: Execution,
+        request: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        exc: Exception,
+        *,
+        started: datetime,
+    ) -> None:
         policy = self.contract.retry
         kind = policy.classify(exc)
         if policy.should_retry(exc):
             if execution.attempt < policy.max_attempts:
                 delay = policy.delay(execution.attempt, exc, rng=_rng)
                 metrics.retries_scheduled.labels(self.name, type(exc).__name__).inc()
-                self._audit(execution, "RETRY_SCHEDULED", started=started, exc=exc,
-                            retry_delay=delay)
+                self._audit(
+                    execution, "RETRY_SCHEDULED", started=started, exc=exc, retry_delay=delay
+                )
                 # max_retries=None: we count attempts ourselves (max_attempts).
                 raise self.retry(exc=exc, countdown=delay, max_retries=None)
             outcome, reason = "EXHAUSTED", "EXHAUSTED"
@@ -213,9 +253,17 @@ class ExplicitTask(Task):  # type: ignore[misc]
             outcome, reason = "FAILED_UNCLASSIFIED", "UNCLASSIFIED"
         else:
             outcome, reason = "FAILED_PERMANENT", "PERMANENT"
-        self._dead_letter_and_audit(request, args, kwargs, exc, started=started,
-                                    key=execution.key, outcome_name=outcome,
-                                    reason_name=reason, execution=execution)
+        self._dead_letter_and_audit(
+            request,
+            args,
+            kwargs,
+            exc,
+            started=started,
+            key=execution.key,
+            outcome_name=outcome,
+            reason_name=reason,
+            execution=execution,
+        )
 
     # --- the handler's tools ------------------------------------------------------
 
@@ -226,15 +274,18 @@ class ExplicitTask(Task):  # type: ignore[misc]
         from django_outbox.models import Outcome
 
         execution = self._execution()
-        with ledger.effect(key=execution.key, fingerprint=execution.fingerprint,
-                           task_name=self.name, task_id=execution.task_id,
-                           using=using) as claimed:
+        with ledger.effect(
+            key=execution.key,
+            fingerprint=execution.fingerprint,
+            task_name=self.name,
+            task_id=execution.task_id,
+            using=using,
+        ) as claimed:
             yield claimed
         if claimed.done:
             execution.outcome = Outcome.ALREADY_APPLIED
             metrics.duplicates_absorbed.labels(self.name, "duplicate").inc()
-            self._log("effect already applied: duplicate absorbed", execution,
-                      layer="effect")
+            self._log("effect already applied: duplicate absorbed", execution, layer="effect")
         else:
             execution.outcome = Outcome.APPLIED
             metrics.effects_applied.labels(self.name).inc()
@@ -246,14 +297,23 @@ class ExplicitTask(Task):  # type: ignore[misc]
     def _execution(self) -> Execution:
         execution = getattr(self.request, "explicit", None)
         if not isinstance(execution, Execution):
-            raise ExplicitError(f"Task {self.name}: effect() and set_external_request_id() "
-                                "work only while the task runs")
+            raise ExplicitError(
+                f"Task {self.name}: effect() and set_external_request_id() "
+                "work only while the task runs"
+            )
         return execution
 
     # --- records ------------------------------------------------------------------
 
-    def _audit(self, execution: Execution, outcome_name: str, *, started: datetime,
-               exc: BaseException | None = None, retry_delay: float | None = None) -> None:
+    def _audit(
+        self,
+        execution: Execution,
+        outcome_name: str,
+        *,
+        started: datetime,
+        exc: BaseException | None = None,
+        retry_delay: float | None = None,
+    ) -> None:
         from django_outbox import audit
         from django_outbox.models import Outcome
 
@@ -261,123 +321,141 @@ class ExplicitTask(Task):  # type: ignore[misc]
         finished = timezone.now()
         request = self.request
         audit.record_attempt(
-            task_id=execution.task_id, task_name=self.name, idempotency_key=execution.key,
+            task_id=execution.task_id,
+            task_name=self.name,
+            idempotency_key=execution.key,
             attempt=execution.attempt,
             redelivered=bool((request.delivery_info or {}).get("redelivered")),
-            worker_host=str(request.hostname or ""), worker_pid=os.getpid(),
-            started_at=started, finished_at=finished, outcome=outcome,
+            worker_host=str(request.hostname or ""),
+            worker_pid=os.getpid(),
+            started_at=started,
+            finished_at=finished,
+            outcome=outcome,
             error_class=_qualname(exc) if exc else "",
             error_message=str(exc)[:4000] if exc else "",
-            retry_delay=retry_delay, correlation_id=execution.correlation_id,
+            retry_delay=retry_delay,
+            correlation_id=execution.correlation_id,
             external_request_id=execution.external_request_id,
             replay_of=_int_or_none(getattr(request, idempotency.REPLAY_HEADER, None)),
         )
         metrics.executions.labels(self.name, outcome.value).inc()
         metrics.attempt_seconds.labels(self.name).observe((finished - started).total_seconds())
-        self._log(f"attempt {execution.attempt} ended: {outcome.value}", execution,
-                  layer="execution", outcome=outcome.value, retry_delay=retry_delay,
-                  error_class=_qualname(exc) if exc else None)
+        self._log(
+            f"attempt {execution.attempt} ended: {outcome.value}",
+            execution,
+            layer="execution",
+            outcome=outcome.value,
+            retry_delay=retry_delay,
+            error_class=_qualname(exc) if exc else None,
+        )
 
-    def _dead_letter_and_audit(self, request: Any, args: tuple[Any, ...],
-                               kwargs: dict[str, Any], exc: BaseException, *,
-                               started: datetime, key: str, outcome_name: str,
-                               reason_name: str, execution: Execution | None = None) -> None:
+    def _dead_letter_and_audit(
+        self,
+        request: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        exc: BaseException,
+        *,
+        started: datetime,
+        key: str,
+        outcome_name: str,
+        reason_name: str,
+        execution: Execution | None = None,
+    ) -> None:
         from django_outbox import dead_letters
         from django_outbox.models import DeadLetterReason
 
         attempt = execution.attempt if execution else int(request.retries or 0) + 1
-        correlation = str(getattr(request, idempotency.CORRELATION_HEADER, None)
-                          or request.root_id or request.id or "")
+        correlation = str(
+            getattr(request, idempotency.CORRELATION_HEADER, None)
+            or request.root_id
+            or request.id
+            or ""
+        )
         reason = DeadLetterReason[reason_name]
         try:
             dead_letters.record(
-                task_id=request.id, task_name=self.name, reason=reason,
-                args=list(args), kwargs=kwargs, idempotency_key=key,
-                error_class=_qualname(exc), error_message=str(exc)[:4000],
-                traceback="".join(tb.format_exception(exc)), attempts=attempt,
+                task_id=request.id,
+                task_name=self.name,
+                reason=reason,
+                args=list(args),
+                kwargs=kwargs,
+                idempotency_key=key,
+                error_class=_qualname(exc),
+                error_message=str(exc)[:4000],
+                traceback="".join(tb.format_exception(exc)),
+                attempts=attempt,
                 correlation_id=correlation,
                 queue=str((request.delivery_info or {}).get("routing_key") or ""),
             )
         except DatabaseError as db_exc:
             # The dead letter is the only copy once the message is acked: keep the
             # message instead, and try again later.
-            logger.exception("could not record dead letter; retrying the message",
-                             extra={"task": self.name, "job_id": request.id,
-                                    "idempotency_key": key})
-            raise self.retry(exc=db_exc, countdown=_rng.uniform(1.0, 10.0),
-                             max_retries=None) from db_exc
+            logger.exception(
+                "could not record dead letter; retrying the message",
+                extra={"task": self.name, "job_id": request.id, "idempotency_key": key},
+            )
+            raise self.retry(
+                exc=db_exc, countdown=_rng.uniform(1.0, 10.0), max_retries=None
+            ) from db_exc
         metrics.dead_letters.labels(self.name, reason.value).inc()
         if execution is None:
-            execution = Execution(task_name=self.name, task_id=str(request.id or ""), key=key,
-                                  fingerprint="", arguments={}, attempt=attempt,
-                                  started_at=started, correlation_id=correlation)
+            execution = Execution(
+                task_name=self.name,
+                task_id=str(request.id or ""),
+                key=key,
+                fingerprint="",
+                arguments={},
+                attempt=attempt,
+                started_at=started,
+                correlation_id=correlation,
+            )
         self._audit(execution, outcome_name, started=started, exc=exc)
 
     def _log(self, message: str, execution: Execution, **fields: Any) -> None:
-        logger.info(message, extra={
-            "task": self.name, "job_id": execution.task_id,
-            "idempotency_key": execution.key, "attempt": execution.attempt,
-            "correlation_id": execution.correlation_id,
-            "external_request_id": execution.external_request_id, **fields,
-        })
+        logger.info(
+            message,
+            extra={
+                "task": self.name,
+                "job_id": execution.task_id,
+                "idempotency_key": execution.key,
+                "attempt": execution.attempt,
+                "correlation_id": execution.correlation_id,
+                "external_request_id": execution.external_request_id,
+                **fields,
+            },
+        )
 
 
 @contextmanager
 def effect(*, using: str | None = None) -> Iterator[Effect]:
     """``self.effect()`` for handlers declared with ``@app.task`` without ``bind=True``."""
     task = current_task
-    if task is None or not isinstance(task._get_current_object(), ExplicitTask):
+    if not isinstance(task, ExplicitTask):  # current_task is a proxy; isinstance sees through
         raise ExplicitError("effect() works only inside a running ExplicitTask")
     with task.effect(using=using) as claimed:
         yield claimed
 
 
-class ExplicitRequest(Request):  # type: ignore[misc]
-    """Worker main process: records a message whose body never reached ``run()``.
+class ExplicitRequest(Request):
+    """Worker main process: a body of the wrong shape is refused, not fatal.
 
-    Celery decodes a task's body in the pool child, before calling the task; a body that
-    does not decode fails there and Celery acks it. Without this hook it would be lost
-    with one log line; here it becomes a dead letter holding the raw body.
+    Celery unpacks a task body as ``[args, kwargs, embed]`` while building the request
+    in the consumer; a body that decodes to anything else raises a ValueError there,
+    which Celery 5.7 treats as an unrecoverable error and stops the whole worker (and
+    the unacked message comes back to stop the next one). Raising InvalidTaskError
+    instead makes Celery reject the one message; ``django_outbox.receivers`` records it
+    as a dead letter with its raw body, and the worker goes on consuming.
     """
 
-    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
-                   return_ok: bool = False) -> None:
-        exc = getattr(exc_info, "exception", None)
-        exc = getattr(exc, "exc", exc)  # unwrap billiard's ExceptionWithTraceback
-        if _is_decode_error(exc):
-            from django_outbox import receivers
-
-            receivers.record_undecodable(
-                task_id=self.id, task_name=self.task_name, message=self._message,
-                error=exc,
-            )
-        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
-
-
-def _is_decode_error(exc: object) -> bool:
-    """True for an error raised while decoding the body, before ``__call__`` ran.
-
-    kombu wraps a decoder's error in DecodeError; a body that decodes to something
-    other than ``[args, kwargs, embed]`` fails to unpack with a ValueError or TypeError.
-    Errors that went through ``__call__`` carry ``RECORDED_MARK`` and are not ours here.
-    """
-    from celery.exceptions import InvalidTaskError
-    from kombu.exceptions import ContentDisallowed, DecodeError
-
-    if isinstance(exc, DecodeError | ContentDisallowed | InvalidTaskError):
-        return True
-    return isinstance(exc, ValueError | TypeError) and not getattr(exc, RECORDED_MARK, False)
-
-
-#: Set on an exception that ``__call__`` already recorded (it survives pickling).
-RECORDED_MARK = "explicit_recorded"
-
-
-def _mark(exc: BaseException) -> None:
-    try:
-        setattr(exc, RECORDED_MARK, True)
-    except AttributeError:  # exceptions with __slots__
-        pass
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().__init__(message, *args, **kwargs)
+        except (ValueError, TypeError) as exc:
+            headers = getattr(message, "headers", None) or {}
+            raise InvalidTaskError(
+                f"body of task {headers.get('task')!r} is not [args, kwargs, embed]: {exc}"
+            ) from exc
 
 
 def _qualname(exc: BaseException | None) -> str:
@@ -394,7 +472,7 @@ def _int_or_none(value: object) -> int | None:
         return None
 
 
-__all__ = ["ExplicitRequest", "ExplicitTask", "Execution", "effect"]
+__all__ = ["Execution", "ExplicitRequest", "ExplicitTask", "effect"]
 # Outcome / DeadLetterReason are only names here (resolved lazily above), so the
 # module imports without Django's app registry being ready.
 _ = (DeadLetterReason, Outcome) if TYPE_CHECKING else None

@@ -14,7 +14,7 @@ from typing import Any
 from celery import bootsteps
 
 
-class RecordUndecodable(bootsteps.StartStopStep):  # type: ignore[misc]
+class RecordUndecodable(bootsteps.StartStopStep):
     label = "celery_explicit: dead-letter undecodable messages"
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
@@ -25,9 +25,12 @@ class RecordUndecodable(bootsteps.StartStopStep):  # type: ignore[misc]
             from django_outbox import receivers
 
             headers = getattr(message, "headers", None) or {}
-            receivers.record_undecodable(task_id=headers.get("id"),
-                                         task_name=str(headers.get("task") or "?"),
-                                         message=message, error=exc)
+            receivers.record_undecodable(
+                task_id=headers.get("id"),
+                task_name=str(headers.get("task") or "?"),
+                message=message,
+                error=exc,
+            )
             original(message, exc)
 
         parent.on_decode_error = on_decode_error

@@ -35,18 +35,34 @@ class ProcessedOperationAdmin(ReadOnlyAdmin):
 
 @admin.register(Attempt)
 class AttemptAdmin(ReadOnlyAdmin):
-    list_display = ("started_at", "task_name", "idempotency_key", "attempt", "outcome",
-                    "redelivered", "duration_ms", "error_class", "worker_host", "worker_pid")
+    list_display = (
+        "started_at",
+        "task_name",
+        "idempotency_key",
+        "attempt",
+        "outcome",
+        "redelivered",
+        "duration_ms",
+        "error_class",
+        "worker_host",
+        "worker_pid",
+    )
     list_filter = ("outcome", "task_name", "redelivered")
-    search_fields = ("=idempotency_key", "=task_id", "=correlation_id",
-                     "=external_request_id")
+    search_fields = ("=idempotency_key", "=task_id", "=correlation_id", "=external_request_id")
     date_hierarchy = "started_at"
 
 
 @admin.register(DeadLetter)
 class DeadLetterAdmin(ReadOnlyAdmin):
-    list_display = ("last_attempt", "task_name", "reason", "status", "idempotency_key",
-                    "error_class", "attempts")
+    list_display = (
+        "last_attempt",
+        "task_name",
+        "reason",
+        "status",
+        "idempotency_key",
+        "error_class",
+        "attempts",
+    )
     list_filter = ("status", "reason", "task_name")
     search_fields = ("=idempotency_key", "=task_id", "=correlation_id")
     date_hierarchy = "last_attempt"

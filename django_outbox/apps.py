@@ -9,5 +9,7 @@ class DjangoOutboxConfig(AppConfig):
     def ready(self) -> None:
         # Registers the system checks (django_outbox.E00x / W00x) and the worker-side
         # signal receivers that record messages the task code never sees.
-        from django_outbox import checks  # noqa: F401
-        from django_outbox import receivers  # noqa: F401
+        from django_outbox import (
+            checks,  # noqa: F401
+            receivers,  # noqa: F401
+        )

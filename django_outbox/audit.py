@@ -17,12 +17,25 @@ from django_outbox.models import Attempt, Outcome
 logger = logging.getLogger("django_outbox.audit")
 
 
-def record_attempt(*, task_id: str, task_name: str, idempotency_key: str, attempt: int,
-                   redelivered: bool, worker_host: str, worker_pid: int,
-                   started_at: dt.datetime, finished_at: dt.datetime, outcome: Outcome,
-                   error_class: str = "", error_message: str = "",
-                   retry_delay: float | None = None, correlation_id: str = "",
-                   external_request_id: str = "", replay_of: int | None = None) -> None:
+def record_attempt(
+    *,
+    task_id: str,
+    task_name: str,
+    idempotency_key: str,
+    attempt: int,
+    redelivered: bool,
+    worker_host: str,
+    worker_pid: int,
+    started_at: dt.datetime,
+    finished_at: dt.datetime,
+    outcome: Outcome,
+    error_class: str = "",
+    error_message: str = "",
+    retry_delay: float | None = None,
+    correlation_id: str = "",
+    external_request_id: str = "",
+    replay_of: int | None = None,
+) -> None:
     """Insert the attempt row (autocommit: it outlives a rolled-back effect).
 
     A failure to write it is logged with every field and does not fail the job: the
@@ -30,15 +43,25 @@ def record_attempt(*, task_id: str, task_name: str, idempotency_key: str, attemp
     evidence.
     """
     fields = dict(
-        task_id=task_id, task_name=task_name, idempotency_key=idempotency_key,
-        attempt=attempt, redelivered=redelivered, worker_host=worker_host[:255],
-        worker_pid=worker_pid, started_at=started_at, finished_at=finished_at,
+        task_id=task_id,
+        task_name=task_name,
+        idempotency_key=idempotency_key,
+        attempt=attempt,
+        redelivered=redelivered,
+        worker_host=worker_host[:255],
+        worker_pid=worker_pid,
+        started_at=started_at,
+        finished_at=finished_at,
         duration_ms=(finished_at - started_at).total_seconds() * 1000.0,
-        outcome=outcome, error_class=error_class[:255], error_message=error_message,
+        outcome=outcome,
+        error_class=error_class[:255],
+        error_message=error_message,
         retry_delay=retry_delay,
-        next_attempt_at=(finished_at + dt.timedelta(seconds=retry_delay)
-                         if retry_delay is not None else None),
-        correlation_id=correlation_id[:255], external_request_id=external_request_id[:255],
+        next_attempt_at=(
+            finished_at + dt.timedelta(seconds=retry_delay) if retry_delay is not None else None
+        ),
+        correlation_id=correlation_id[:255],
+        external_request_id=external_request_id[:255],
         replay_of=replay_of,
     )
     try:

@@ -36,15 +36,19 @@ def _explicit_tasks(app: Any) -> list[Any]:
 
 
 @checks.register("django_outbox")
-def check_celery_configuration(app_configs: Sequence[AppConfig] | None = None,
-                               **kwargs: Any) -> list[checks.CheckMessage]:
+def check_celery_configuration(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
     try:
         app = settings.celery_app()
     except ImportError as exc:
-        return [checks.Error(
-            f"EXPLICIT_CELERY_APP={settings.celery_app_path!r} cannot be imported: {exc}",
-            hint="Set it to the dotted path of your Celery app, e.g. 'shop.celery.app'.",
-            id="django_outbox.E004")]
+        return [
+            checks.Error(
+                f"EXPLICIT_CELERY_APP={settings.celery_app_path!r} cannot be imported: {exc}",
+                hint="Set it to the dotted path of your Celery app, e.g. 'shop.celery.app'.",
+                id="django_outbox.E004",
+            )
+        ]
 
     errors: list[checks.CheckMessage] = []
     try:
@@ -57,8 +61,11 @@ def check_celery_configuration(app_configs: Sequence[AppConfig] | None = None,
         app.finalize(auto=True)
         tasks = _explicit_tasks(app)
     except ContractError as exc:
-        return [checks.Error(str(exc), hint=_contract_hint(exc), obj=exc.task_name,
-                             id="django_outbox.E001")]
+        return [
+            checks.Error(
+                str(exc), hint=_contract_hint(exc), obj=exc.task_name, id="django_outbox.E001"
+            )
+        ]
 
     errors += _check_serializers(app)
     errors += _check_visibility(app, tasks)
@@ -66,21 +73,28 @@ def check_celery_configuration(app_configs: Sequence[AppConfig] | None = None,
 
 
 @checks.register("django_outbox", checks.Tags.database)
-def check_ledger_database(app_configs: Sequence[AppConfig] | None = None,
-                          **kwargs: Any) -> list[checks.CheckMessage]:
+def check_ledger_database(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
     connection = connections[settings.database]
     if connection.vendor in ("postgresql", "sqlite"):
         return []
-    return [checks.Error(
-        f"the effect ledger needs INSERT ... ON CONFLICT DO NOTHING RETURNING, which "
-        f"database {settings.database!r} ({connection.vendor}) does not offer",
-        hint="Use PostgreSQL (or SQLite for a demo) for EXPLICIT_DATABASE.",
-        id="django_outbox.E005")]
+    return [
+        checks.Error(
+            f"the effect ledger needs INSERT ... ON CONFLICT DO NOTHING RETURNING, which "
+            f"database {settings.database!r} ({connection.vendor}) does not offer",
+            hint="Use PostgreSQL (or SQLite for a demo) for EXPLICIT_DATABASE.",
+            id="django_outbox.E005",
+        )
+    ]
 
 
 def _contract_hint(exc: ContractError) -> str:
-    return (f"Fix the declaration of {exc.field!r} on task {exc.task_name}." if exc.field
-            else f"Fix the declaration of task {exc.task_name}.")
+    return (
+        f"Fix the declaration of {exc.field!r} on task {exc.task_name}."
+        if exc.field
+        else f"Fix the declaration of task {exc.task_name}."
+    )
 
 
 def _check_serializers(app: Any) -> list[checks.CheckMessage]:
@@ -93,12 +107,15 @@ def _check_serializers(app: Any) -> list[checks.CheckMessage]:
             found.append(name)
     if not found:
         return []
-    return [checks.Error(
-        f"Celery setting {', '.join(found)} allows the pickle serializer: a pickled "
-        "message taken from the broker runs arbitrary code in the worker",
-        hint="Use JSON: accept_content=['json'], task_serializer='json', "
-             "result_serializer='json'.",
-        id="django_outbox.E002")]
+    return [
+        checks.Error(
+            f"Celery setting {', '.join(found)} allows the pickle serializer: a pickled "
+            "message taken from the broker runs arbitrary code in the worker",
+            hint="Use JSON: accept_content=['json'], task_serializer='json', "
+            "result_serializer='json'.",
+            id="django_outbox.E002",
+        )
+    ]
 
 
 def _redis_visibility_timeout(app: Any) -> float | None:
@@ -117,20 +134,28 @@ def _check_visibility(app: Any, tasks: list[Any]) -> list[checks.CheckMessage]:
     for task in sorted(tasks, key=lambda t: t.name):
         contract = task.contract
         if contract.visibility_timeout > backstop:
-            messages.append(checks.Error(
-                f"task {task.name} declares visibility_timeout="
-                f"{contract.visibility_timeout:g}s but the Redis broker's "
-                f"visibility_timeout is {backstop:g}s: the broker would redeliver the "
-                "task to a second worker while the first still runs",
-                hint="Raise broker_transport_options['visibility_timeout'] to at least "
-                     f"{contract.visibility_timeout:g}, or shorten the task's lease.",
-                obj=task.name, id="django_outbox.E003"))
+            messages.append(
+                checks.Error(
+                    f"task {task.name} declares visibility_timeout="
+                    f"{contract.visibility_timeout:g}s but the Redis broker's "
+                    f"visibility_timeout is {backstop:g}s: the broker would redeliver the "
+                    "task to a second worker while the first still runs",
+                    hint="Raise broker_transport_options['visibility_timeout'] to at least "
+                    f"{contract.visibility_timeout:g}, or shorten the task's lease.",
+                    obj=task.name,
+                    id="django_outbox.E003",
+                )
+            )
         if contract.retry.backoff_cap > backstop:
-            messages.append(checks.Warning(
-                f"task {task.name} may wait up to backoff_cap="
-                f"{contract.retry.backoff_cap:g}s before a retry, longer than the Redis "
-                f"broker's visibility_timeout of {backstop:g}s: the waiting retry "
-                "would be redelivered to another worker meanwhile",
-                hint="Lower backoff_cap below the broker visibility_timeout.",
-                obj=task.name, id="django_outbox.W001"))
+            messages.append(
+                checks.Warning(
+                    f"task {task.name} may wait up to backoff_cap="
+                    f"{contract.retry.backoff_cap:g}s before a retry, longer than the Redis "
+                    f"broker's visibility_timeout of {backstop:g}s: the waiting retry "
+                    "would be redelivered to another worker meanwhile",
+                    hint="Lower backoff_cap below the broker visibility_timeout.",
+                    obj=task.name,
+                    id="django_outbox.W001",
+                )
+            )
     return messages

@@ -19,11 +19,22 @@ from django_outbox.conf import settings
 from django_outbox.models import DeadLetter, DeadLetterReason, DeadLetterStatus
 
 
-def record(*, task_id: str | None, task_name: str, reason: DeadLetterReason,
-           args: Any = (), kwargs: Any = None, raw_body: str = "",
-           idempotency_key: str = "", error_class: str = "", error_message: str = "",
-           traceback: str = "", attempts: int = 1, correlation_id: str = "",
-           queue: str = "") -> DeadLetter:
+def record(
+    *,
+    task_id: str | None,
+    task_name: str,
+    reason: DeadLetterReason,
+    args: Any = (),
+    kwargs: Any = None,
+    raw_body: str = "",
+    idempotency_key: str = "",
+    error_class: str = "",
+    error_message: str = "",
+    traceback: str = "",
+    attempts: int = 1,
+    correlation_id: str = "",
+    queue: str = "",
+) -> DeadLetter:
     """Insert or update the dead letter of ``task_id``.
 
     A message redelivered after a crash may fail again: it updates its row (attempts,
@@ -31,17 +42,25 @@ def record(*, task_id: str | None, task_name: str, reason: DeadLetterReason,
     """
     now = timezone.now()
     defaults: dict[str, Any] = dict(
-        task_name=task_name[:255], reason=reason, raw_body=raw_body,
+        task_name=task_name[:255],
+        reason=reason,
+        raw_body=raw_body,
         args=_jsonable(list(args) if isinstance(args, list | tuple) else args),
         kwargs=_jsonable(kwargs if kwargs is not None else {}),
-        idempotency_key=idempotency_key[:255], error_class=error_class[:255],
-        error_message=error_message, traceback=traceback, attempts=attempts,
-        last_attempt=now, correlation_id=correlation_id[:255], queue=queue[:255],
+        idempotency_key=idempotency_key[:255],
+        error_class=error_class[:255],
+        error_message=error_message,
+        traceback=traceback,
+        attempts=attempts,
+        last_attempt=now,
+        correlation_id=correlation_id[:255],
+        queue=queue[:255],
         status=DeadLetterStatus.OPEN,
     )
     letter, _ = DeadLetter.objects.using(settings.database).update_or_create(
         task_id=task_id or f"unidentified-{uuid.uuid4()}",
-        defaults=defaults, create_defaults={**defaults, "first_seen": now},
+        defaults=defaults,
+        create_defaults={**defaults, "first_seen": now},
     )
     return letter
 
@@ -55,36 +74,45 @@ def replay(letter: DeadLetter, *, by: str) -> str:
     app = settings.celery_app()
     new_id = str(uuid.uuid4())
     with transaction.atomic(using=settings.database):
-        locked = (DeadLetter.objects.using(settings.database).select_for_update()
-                  .get(pk=letter.pk))
+        locked = DeadLetter.objects.using(settings.database).select_for_update().get(pk=letter.pk)
         if locked.status != DeadLetterStatus.OPEN:
-            raise ValueError(f"dead letter {letter.pk} ({letter.task_name}) is "
-                             f"{locked.status}, not open: not replayed")
+            raise ValueError(
+                f"dead letter {letter.pk} ({letter.task_name}) is "
+                f"{locked.status}, not open: not replayed"
+            )
         locked.status = DeadLetterStatus.REPLAYED
         locked.replayed_task_id = new_id
         locked.resolved_at = timezone.now()
         locked.resolved_by = by[:150]
         locked.save(update_fields=["status", "replayed_task_id", "resolved_at", "resolved_by"])
-        headers = {REPLAY_HEADER: letter.pk}
+        headers: dict[str, object] = {REPLAY_HEADER: letter.pk}
         if letter.idempotency_key:
             headers[KEY_HEADER] = letter.idempotency_key
         # Published after commit: a rollback of the status change publishes nothing.
-        transaction.on_commit(lambda: app.send_task(
-            letter.task_name, args=letter.args, kwargs=letter.kwargs, task_id=new_id,
-            headers=headers, queue=letter.queue or None), using=settings.database)
+        transaction.on_commit(
+            lambda: app.send_task(
+                letter.task_name,
+                args=letter.args,
+                kwargs=letter.kwargs,
+                task_id=new_id,
+                headers=headers,
+                queue=letter.queue or None,
+            ),
+            using=settings.database,
+        )
     letter.refresh_from_db()
     return new_id
 
 
 def discard(letter: DeadLetter, *, by: str) -> None:
     """Close the dead letter without running it. The row stays as evidence."""
-    updated = (DeadLetter.objects.using(settings.database)
-               .filter(pk=letter.pk, status=DeadLetterStatus.OPEN)
-               .update(status=DeadLetterStatus.DISCARDED, resolved_at=timezone.now(),
-                       resolved_by=by[:150]))
+    updated = (
+        DeadLetter.objects.using(settings.database)
+        .filter(pk=letter.pk, status=DeadLetterStatus.OPEN)
+        .update(status=DeadLetterStatus.DISCARDED, resolved_at=timezone.now(), resolved_by=by[:150])
+    )
     if not updated:
-        raise ValueError(f"dead letter {letter.pk} ({letter.task_name}) is not open: "
-                         "not discarded")
+        raise ValueError(f"dead letter {letter.pk} ({letter.task_name}) is not open: not discarded")
     letter.refresh_from_db()
 
 

@@ -53,8 +53,9 @@ _RESULT_SQL = f"UPDATE {_table} SET result_ref = %s WHERE id = %s"
 
 
 @contextmanager
-def effect(*, key: str, fingerprint: str, task_name: str, task_id: str,
-           using: str | None = None) -> Iterator[Effect]:
+def effect(
+    *, key: str, fingerprint: str, task_name: str, task_id: str, using: str | None = None
+) -> Iterator[Effect]:
     """One transaction holding the effect and its ledger row.
 
     Raises ``IdempotencyConflict`` when the key was applied with other arguments: that
@@ -73,6 +74,7 @@ def effect(*, key: str, fingerprint: str, task_name: str, task_id: str,
         cursor.execute(_EXISTING_SQL, [key])
         stored_fingerprint, result_ref = cursor.fetchone()
         if stored_fingerprint != fingerprint:
-            raise IdempotencyConflict(key, stored_fingerprint=stored_fingerprint,
-                                      fingerprint=fingerprint)
+            raise IdempotencyConflict(
+                key, stored_fingerprint=stored_fingerprint, fingerprint=fingerprint
+            )
         yield Effect(key=key, fingerprint=fingerprint, done=True, result_ref=result_ref)

@@ -79,7 +79,8 @@ class Attempt(models.Model):
     idempotency_key = models.CharField(max_length=255, blank=True, default="")
     attempt = models.PositiveIntegerField(help_text="1 for the first try; retries add one")
     redelivered = models.BooleanField(
-        default=False, help_text="the broker marked this delivery as a redelivery")
+        default=False, help_text="the broker marked this delivery as a redelivery"
+    )
     worker_host = models.CharField(max_length=255, blank=True, default="")
     worker_pid = models.PositiveIntegerField(null=True, blank=True)
     started_at = models.DateTimeField()
@@ -88,28 +89,32 @@ class Attempt(models.Model):
     outcome = models.CharField(max_length=32, choices=Outcome.choices)
     error_class = models.CharField(max_length=255, blank=True, default="")
     error_message = models.TextField(blank=True, default="")
-    retry_delay = models.FloatField(null=True, blank=True,
-                                    help_text="seconds until the next attempt")
+    retry_delay = models.FloatField(
+        null=True, blank=True, help_text="seconds until the next attempt"
+    )
     next_attempt_at = models.DateTimeField(null=True, blank=True)
     correlation_id = models.CharField(max_length=255, blank=True, default="")
     external_request_id = models.CharField(max_length=255, blank=True, default="")
-    replay_of = models.BigIntegerField(null=True, blank=True,
-                                       help_text="id of the dead letter this replays")
+    replay_of = models.BigIntegerField(
+        null=True, blank=True, help_text="id of the dead letter this replays"
+    )
 
     class Meta:
         db_table = "django_outbox_attempt"
         constraints = [
-            models.CheckConstraint(condition=Q(attempt__gte=1),
-                                   name="django_outbox_attempt_number_gte_1"),
-            models.CheckConstraint(condition=Q(outcome__in=Outcome.values),
-                                   name="django_outbox_attempt_outcome_valid"),
+            models.CheckConstraint(
+                condition=Q(attempt__gte=1), name="django_outbox_attempt_number_gte_1"
+            ),
+            models.CheckConstraint(
+                condition=Q(outcome__in=Outcome.values), name="django_outbox_attempt_outcome_valid"
+            ),
         ]
         indexes = [
-            models.Index(fields=["idempotency_key", "started_at"],
-                         name="django_outbox_attempt_key_idx"),
+            models.Index(
+                fields=["idempotency_key", "started_at"], name="django_outbox_attempt_key_idx"
+            ),
             models.Index(fields=["task_id"], name="django_outbox_attempt_task_idx"),
-            models.Index(fields=["outcome", "started_at"],
-                         name="django_outbox_attempt_outc_idx"),
+            models.Index(fields=["outcome", "started_at"], name="django_outbox_attempt_outc_idx"),
         ]
 
     def __str__(self) -> str:
@@ -123,8 +128,9 @@ class DeadLetter(models.Model):
     task_name = models.CharField(max_length=255)
     args = models.JSONField(default=list, blank=True)
     kwargs = models.JSONField(default=dict, blank=True)
-    raw_body = models.TextField(blank=True, default="",
-                                help_text="the message body, when it could not be decoded")
+    raw_body = models.TextField(
+        blank=True, default="", help_text="the message body, when it could not be decoded"
+    )
     idempotency_key = models.CharField(max_length=255, blank=True, default="")
     reason = models.CharField(max_length=32, choices=DeadLetterReason.choices)
     error_class = models.CharField(max_length=255, blank=True, default="")
@@ -134,10 +140,15 @@ class DeadLetter(models.Model):
     first_seen = models.DateTimeField()
     last_attempt = models.DateTimeField()
     correlation_id = models.CharField(max_length=255, blank=True, default="")
-    queue = models.CharField(max_length=255, blank=True, default="",
-                             help_text="routing key it was consumed from; replays go back there")
-    status = models.CharField(max_length=16, choices=DeadLetterStatus.choices,
-                              default=DeadLetterStatus.OPEN)
+    queue = models.CharField(
+        max_length=255,
+        blank=True,
+        default="",
+        help_text="routing key it was consumed from; replays go back there",
+    )
+    status = models.CharField(
+        max_length=16, choices=DeadLetterStatus.choices, default=DeadLetterStatus.OPEN
+    )
     replayed_task_id = models.CharField(max_length=255, blank=True, default="")
     resolved_at = models.DateTimeField(null=True, blank=True)
     resolved_by = models.CharField(max_length=150, blank=True, default="")
@@ -151,8 +162,10 @@ class DeadLetter(models.Model):
         constraints = [
             # A redelivered message that fails again updates its dead letter.
             models.UniqueConstraint(fields=["task_id"], name="django_outbox_dl_task_uniq"),
-            models.CheckConstraint(condition=Q(reason__in=DeadLetterReason.values),
-                                   name="django_outbox_dl_reason_valid"),
+            models.CheckConstraint(
+                condition=Q(reason__in=DeadLetterReason.values),
+                name="django_outbox_dl_reason_valid",
+            ),
         ]
         indexes = [
             models.Index(fields=["status", "last_attempt"], name="django_outbox_dl_status_idx"),

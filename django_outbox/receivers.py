@@ -40,56 +40,83 @@ def _args_from_body(text: str) -> tuple[Any, Any]:
     return [], {}
 
 
-def _record(*, task_id: str | None, task_name: str, message: Any, error_class: str,
-            error_message: str) -> None:
+def _record(
+    *, task_id: str | None, task_name: str, message: Any, error_class: str, error_message: str
+) -> None:
     headers = dict(getattr(message, "headers", None) or {})
     raw = _body_text(message)
     args, kwargs = _args_from_body(raw)
     try:
         dead_letters.record(
-            task_id=task_id, task_name=task_name, reason=DeadLetterReason.BAD_INPUT,
-            args=args, kwargs=kwargs, raw_body=raw,
+            task_id=task_id,
+            task_name=task_name,
+            reason=DeadLetterReason.BAD_INPUT,
+            args=args,
+            kwargs=kwargs,
+            raw_body=raw,
             idempotency_key=str(headers.get(KEY_HEADER) or ""),
-            error_class=error_class, error_message=error_message,
+            error_class=error_class,
+            error_message=error_message,
             correlation_id=str(headers.get(CORRELATION_HEADER) or ""),
             queue=str((getattr(message, "delivery_info", None) or {}).get("routing_key") or ""),
         )
     except DatabaseError:
         # Celery acks or rejects the message after this returns; the log line is then
         # the only copy, so it carries the whole body.
-        logger.exception("could not dead-letter a message; its body follows",
-                         extra={"task": task_name, "job_id": task_id, "raw_body": raw})
+        logger.exception(
+            "could not dead-letter a message; its body follows",
+            extra={"task": task_name, "job_id": task_id, "raw_body": raw},
+        )
         return
     metrics.dead_letters.labels(task_name, DeadLetterReason.BAD_INPUT.value).inc()
 
 
 @signals.task_unknown.connect
-def record_unknown_task(sender: Any = None, message: Any = None, exc: Any = None,
-                        name: str | None = None, id: str | None = None,
-                        **_: Any) -> None:
-    _record(task_id=id, task_name=str(name or "?"), message=message,
-            error_class="celery.exceptions.NotRegistered",
-            error_message=f"unknown task name {name!r}: no task with this name is "
-                          "registered in the worker that received it")
+def record_unknown_task(
+    sender: Any = None,
+    message: Any = None,
+    exc: Any = None,
+    name: str | None = None,
+    id: str | None = None,
+    **_: Any,
+) -> None:
+    _record(
+        task_id=id,
+        task_name=str(name or "?"),
+        message=message,
+        error_class="celery.exceptions.NotRegistered",
+        error_message=f"unknown task name {name!r}: no task with this name is "
+        "registered in the worker that received it",
+    )
 
 
-def record_undecodable(*, task_id: str | None, task_name: str, message: Any,
-                       error: BaseException) -> None:
-    _record(task_id=task_id, task_name=task_name, message=message,
-            error_class=f"{type(error).__module__}.{type(error).__qualname__}",
-            error_message=f"message body for task {task_name} does not decode: {error}")
+def record_undecodable(
+    *, task_id: str | None, task_name: str, message: Any, error: BaseException
+) -> None:
+    _record(
+        task_id=task_id,
+        task_name=task_name,
+        message=message,
+        error_class=f"{type(error).__module__}.{type(error).__qualname__}",
+        error_message=f"message body for task {task_name} does not decode: {error}",
+    )
 
 
 @signals.task_rejected.connect
-def record_rejected(sender: Any = None, message: Any = None, exc: Any = None,
-                    **_: Any) -> None:
+def record_rejected(sender: Any = None, message: Any = None, exc: Any = None, **_: Any) -> None:
     """A message Celery refused before any task ran: not a task message, or content
     this worker does not accept (a pickled body when only JSON is accepted)."""
     headers = dict(getattr(message, "headers", None) or {})
     name = str(headers.get("task") or "?")
-    reason = (f"message refused by the worker: {exc}" if exc is not None
-              else "message is not a Celery task message (no task name header)")
-    _record(task_id=headers.get("id"), task_name=name, message=message,
-            error_class=(f"{type(exc).__module__}.{type(exc).__qualname__}"
-                         if exc is not None else ""),
-            error_message=f"{reason}; task {name}")
+    reason = (
+        f"message refused by the worker: {exc}"
+        if exc is not None
+        else "message is not a Celery task message (no task name header)"
+    )
+    _record(
+        task_id=headers.get("id"),
+        task_name=name,
+        message=message,
+        error_class=(f"{type(exc).__module__}.{type(exc).__qualname__}" if exc is not None else ""),
+        error_message=f"{reason}; task {name}",
+    )

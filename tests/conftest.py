@@ -49,3 +49,16 @@ def start_worker(transactional_db: None, queue: str, tmp_path: Path,
     for worker in started:
         worker.stop()
     redis_client.delete(queue)
+
+
+# --- the suite never skips --------------------------------------------------------------
+# A skipped test is a test that did not run: on a machine without a service it must fail,
+# so CI can never go green with part of the suite silently missing.
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = len(reporter.stats.get("skipped", [])) if reporter else 0
+    if skipped and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if reporter:
+            reporter.write_line(f"FAILED: {skipped} test(s) skipped; the suite must not skip",
+                                red=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -65,10 +66,8 @@ class Worker:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(5)
         # Children of a killed main process must not outlive the test.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self._log.close()
 
 

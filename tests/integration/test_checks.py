@@ -41,7 +41,7 @@ def test_broker_visibility_shorter_than_a_task_lease_is_an_error(conf: Any) -> N
     assert "tests.note" not in {m.obj for m in errors}
     assert "visibility_timeout=30s" in errors[0].msg
     assert "raise broker_transport_options" in errors[0].hint.lower()
-    with pytest.raises(SystemCheckError, match="django_outbox.E003"):
+    with pytest.raises(SystemCheckError, match=r"django_outbox\.E003"):
         call_command("check")
 
 

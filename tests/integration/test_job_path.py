@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -102,7 +103,7 @@ def test_retry_delays_are_spread_capped_and_exhaustion_dead_letters(start_worker
                     .order_by("attempt"))
         assert [r.attempt for r in rows] == [1, 2, 3, 4]
         assert [r.outcome for r in rows] == [Outcome.RETRY_SCHEDULED] * 3 + [Outcome.EXHAUSTED]
-        for before, after in zip(rows, rows[1:], strict=False):
+        for before, after in itertools.pairwise(rows):
             # The next attempt did not start before its scheduled time.
             assert after.started_at >= before.next_attempt_at - _ms(30)
     delays = list(Attempt.objects.filter(outcome=Outcome.RETRY_SCHEDULED)
@@ -160,11 +161,11 @@ def test_permanent_error_dead_letters_after_exactly_one_attempt(start_worker, qu
     assert outcomes(task_name="tests.surprising") == [Outcome.FAILED_UNCLASSIFIED]
 
 
-def _publish_undecodable(queue: str, task_id: str) -> None:
-    headers, properties, _body, _ = app.amqp.as_task_v2(task_id, "tests.increment",
+def _publish_raw(queue: str, task_id: str, body: bytes) -> None:
+    headers, _properties, _body, _ = app.amqp.as_task_v2(task_id, "tests.increment",
                                                          args=(), kwargs={})
     with Connection(app.conf.broker_url) as conn:
-        Producer(conn).publish(b"{this is not json", routing_key=queue, headers=headers,
+        Producer(conn).publish(body, routing_key=queue, headers=headers,
                                content_type="application/json", content_encoding="utf-8",
                                correlation_id=task_id)
 
@@ -178,10 +179,13 @@ def test_bad_input_is_dead_lettered_on_first_delivery_and_worker_keeps_consuming
     missing_key = app.send_task("tests.optional_key", queue=queue)
     unknown = app.send_task("shop.no_such_task", args=[1], queue=queue)
     undecodable_id = str(uuid.uuid4())
-    _publish_undecodable(queue, undecodable_id)
+    _publish_raw(queue, undecodable_id, b"{this is not json")
+    # Valid JSON, but not Celery's [args, kwargs, embed]: it fails in the pool child.
+    misshapen_id = str(uuid.uuid4())
+    _publish_raw(queue, misshapen_id, b'"just a string"')
     Increment().apply_async(kwargs={"name": "after", "op_id": "1"}, queue=queue)
 
-    wait_for(lambda: DeadLetter.objects.count() == 4, what="four bad-input dead letters",
+    wait_for(lambda: DeadLetter.objects.count() == 5, what="five bad-input dead letters",
              on_timeout=lambda: (list(DeadLetter.objects.values("task_name", "error_message")),
                                  worker.log()[-3000:]))
     wait_for(lambda: Counter.objects.get(name="after").value == 1, what="the good job")
@@ -195,9 +199,11 @@ def test_bad_input_is_dead_lettered_on_first_delivery_and_worker_keeps_consuming
     assert letters[unknown.id].args == [1]
     assert "does not decode" in letters[undecodable_id].error_message
     assert letters[undecodable_id].raw_body == "{this is not json"
+    assert "is not [args, kwargs, embed]" in letters[misshapen_id].error_message
+    assert letters[misshapen_id].raw_body == '"just a string"'
     assert worker.alive()
     time.sleep(0.5)  # none of them is retried
-    assert DeadLetter.objects.count() == 4
+    assert DeadLetter.objects.count() == 5
     assert outcomes(outcome=Outcome.BAD_INPUT) == [Outcome.BAD_INPUT] * 2
 
 
@@ -222,9 +228,9 @@ def test_key_travels_in_headers_from_publish(redis_client, queue):
 def test_publish_with_bad_arguments_fails_at_the_caller(redis_client, queue):
     from celery_explicit import BadInput
 
-    with pytest.raises(BadInput, match="tests.increment: arguments do not fit"):
+    with pytest.raises(BadInput, match=r"tests\.increment: arguments do not fit"):
         Increment().apply_async(kwargs={"nam": "h", "op_id": "1"}, queue=queue)
-    with pytest.raises(BadInput, match="tests.optional_key: idempotency key field 'thing_id'"):
+    with pytest.raises(BadInput, match=r"tests\.optional_key: idempotency key field 'thing_id'"):
         OptionalKey().apply_async(queue=queue)
     assert redis_client.llen(queue) == 0
 

@@ -53,7 +53,7 @@ def test_backoff_is_full_jitter_under_a_cap() -> None:
     rng = random.Random(42)
     for attempt, ceiling in [(1, 1.0), (2, 2.0), (3, 4.0), (6, 30.0), (200, 30.0)]:
         delays = [backoff_delay(attempt, base=1.0, cap=30.0, rng=rng) for _ in range(2000)]
-        assert 0.0 <= min(delays) and max(delays) <= ceiling
+        assert min(delays) >= 0.0 and max(delays) <= ceiling
         # Full jitter is uniform on [0, ceiling]: mean near half, and spread across it.
         assert statistics.mean(delays) == pytest.approx(ceiling / 2, rel=0.08)
         assert max(delays) > 0.9 * ceiling and min(delays) < 0.1 * ceiling
