@@ -1,0 +1,75 @@
+"""A small shop using celery-explicit.
+
+Runs on SQLite and a private Redis when nothing else is configured (the demo), or on
+PostgreSQL with ``SHOP_DATABASE=postgres``.
+"""
+
+import os
+from pathlib import Path
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+STATE_DIR = Path(os.environ.get("SHOP_STATE_DIR", BASE_DIR / ".demo"))
+STATE_DIR.mkdir(exist_ok=True)
+
+SECRET_KEY = "demo-only-not-secret"
+DEBUG = True
+ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
+USE_TZ = True
+TIME_ZONE = "UTC"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_outbox",
+    "shop",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ROOT_URLCONF = "shop_project.urls"
+STATIC_URL = "static/"
+TEMPLATES = [{
+    "BACKEND": "django.template.backends.django.DjangoTemplates",
+    "APP_DIRS": True,
+    "OPTIONS": {"context_processors": [
+        "django.template.context_processors.request",
+        "django.contrib.auth.context_processors.auth",
+        "django.contrib.messages.context_processors.messages",
+    ]},
+}]
+
+if os.environ.get("SHOP_DATABASE") == "postgres":
+    DATABASES = {"default": {
+        "ENGINE": "django.db.backends.postgresql",
+        "HOST": os.environ.get("PGHOST", "127.0.0.1"),
+        "USER": os.environ.get("PGUSER", "postgres"),
+        "NAME": os.environ.get("PGDATABASE", "shop"),
+    }}
+else:
+    DATABASES = {"default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": STATE_DIR / "shop.sqlite3",
+        # Worker processes write concurrently: take the write lock at BEGIN (so the
+        # busy timeout applies instead of an immediate "database is locked"), in WAL mode.
+        "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 20,
+                    "init_command": "PRAGMA journal_mode=WAL;"},
+    }}
+
+CELERY_BROKER_URL = os.environ.get("SHOP_REDIS_URL", "redis://127.0.0.1:6379/0")
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_SERIALIZER = "json"
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# The global backstop must outlast the longest task lease (checked: django_outbox.E003).
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+
+EXPLICIT_CELERY_APP = "shop_project.celery.app"

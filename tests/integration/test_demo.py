@@ -1,0 +1,30 @@
+"""The README's demo runs end to end (SQLite, a real worker) and shows each contract."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.worker
+
+
+def test_demo_shows_duplicate_retry_and_dead_letter(tmp_path: Path) -> None:
+    env = {**os.environ, "SHOP_STATE_DIR": str(tmp_path),
+           "PYTHONPATH": f"{ROOT / 'example_project'}{os.pathsep}{ROOT}"}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    done = subprocess.run([sys.executable, "manage.py", "demo"], cwd=ROOT / "example_project",
+                          env=env, capture_output=True, text=True, timeout=110, check=False)
+    out = done.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "money moved 1 time(s)" in out
+    assert out.count(": already_applied") == 1
+    assert out.count("retry_scheduled, next try in") == 2
+    assert "synced quantity: 12" in out
+    assert "reason=permanent attempts=1 key=invoice:1:send_email" in out
+    assert "status=failed_permanent" in out
