@@ -84,6 +84,9 @@ class Contract:
     retry: RetryPolicy
     run_parameters: tuple[str, ...]
     run_takes_kwargs: bool
+    #: ``run()``'s signature without ``self``: arguments are bound to it at publish
+    #: and again in the worker.
+    signature: inspect.Signature
 
 
 def declared_names() -> frozenset[str]:
@@ -197,6 +200,7 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         ),
         run_parameters=params,
         run_takes_kwargs=takes_kwargs,
+        signature=sig,
     )
 
 

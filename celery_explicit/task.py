@@ -59,6 +59,11 @@ class Execution:
     correlation_id: str
     outcome: Outcome | None = None
     external_request_id: str = ""
+    #: The attempt row, once written (inside the effect's transaction on success).
+    attempt_row_id: int | None = None
+    recorded: bool = False
+    #: False for a direct function call: no message, so no attempt row.
+    audited: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -137,7 +142,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """(all arguments with defaults, the arguments the caller gave) or BadInput."""
-        sig, _ = contract_mod.run_signature(type(self))
+        sig = self.contract.signature
         try:
             bound = sig.bind(*args, **kwargs)
         except TypeError as exc:
@@ -198,9 +203,8 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         except Exception as exc:
             self._handle_error(execution, request, args, kwargs, exc, started=started)
             raise
-        self._audit(
-            execution, execution.outcome.name if execution.outcome else "SUCCEEDED", started=started
-        )
+        if not execution.recorded:
+            self._audit(execution, "SUCCEEDED", started=started)
         return result
 
     def _begin(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Execution:
@@ -217,6 +221,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             arguments=arguments,
             attempt=int(request.retries or 0) + 1,
             started_at=timezone.now(),
+            audited=not request.called_directly,
             correlation_id=str(
                 getattr(request, idempotency.CORRELATION_HEADER, None)
                 or request.root_id
@@ -274,20 +279,37 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         from django_outbox.models import Outcome
 
         execution = self._execution()
-        with ledger.effect(
-            key=execution.key,
-            fingerprint=execution.fingerprint,
-            task_name=self.name,
-            task_id=execution.task_id,
-            using=using,
-        ) as claimed:
-            yield claimed
+        try:
+            with ledger.effect(
+                key=execution.key,
+                fingerprint=execution.fingerprint,
+                task_name=self.name,
+                task_id=execution.task_id,
+                using=using,
+            ) as claimed:
+                yield claimed
+                execution.outcome = Outcome.ALREADY_APPLIED if claimed.done else Outcome.APPLIED
+                if execution.audited:
+                    # Still inside the effect's transaction: the attempt row commits with
+                    # the effect (one commit per job), and "applied" is never recorded
+                    # for an effect that rolled back.
+                    self._audit(
+                        execution,
+                        execution.outcome.name,
+                        started=execution.started_at,
+                        in_effect=True,
+                    )
+        except BaseException:
+            # The transaction rolled back, taking the attempt row with it: the error
+            # path must insert a new one.
+            execution.attempt_row_id = None
+            execution.recorded = False
+            execution.outcome = None
+            raise
         if claimed.done:
-            execution.outcome = Outcome.ALREADY_APPLIED
             metrics.duplicates_absorbed.labels(self.name, "duplicate").inc()
             self._log("effect already applied: duplicate absorbed", execution, layer="effect")
         else:
-            execution.outcome = Outcome.APPLIED
             metrics.effects_applied.labels(self.name).inc()
 
     def set_external_request_id(self, value: str) -> None:
@@ -313,6 +335,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         started: datetime,
         exc: BaseException | None = None,
         retry_delay: float | None = None,
+        in_effect: bool = False,
     ) -> None:
         from django_outbox import audit
         from django_outbox.models import Outcome
@@ -320,7 +343,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         outcome = Outcome[outcome_name]
         finished = timezone.now()
         request = self.request
-        audit.record_attempt(
+        execution.attempt_row_id = audit.record_attempt(
             task_id=execution.task_id,
             task_name=self.name,
             idempotency_key=execution.key,
@@ -337,7 +360,10 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             correlation_id=execution.correlation_id,
             external_request_id=execution.external_request_id,
             replay_of=_int_or_none(getattr(request, idempotency.REPLAY_HEADER, None)),
+            row_id=execution.attempt_row_id,
+            in_effect=in_effect,
         )
+        execution.recorded = True
         metrics.executions.labels(self.name, outcome.value).inc()
         metrics.attempt_seconds.labels(self.name).observe((finished - started).total_seconds())
         self._log(

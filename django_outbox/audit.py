@@ -35,12 +35,19 @@ def record_attempt(
     correlation_id: str = "",
     external_request_id: str = "",
     replay_of: int | None = None,
-) -> None:
-    """Insert the attempt row (autocommit: it outlives a rolled-back effect).
+    row_id: int | None = None,
+    in_effect: bool = False,
+) -> int | None:
+    """Write the attempt row; return its id.
 
+    ``in_effect=True``: the row joins the effect's transaction, so an ``applied`` row
+    exists exactly when the effect committed, and the effect's commit is the only one
+    (one WAL flush per job instead of two). A failure then rolls the effect back too.
+
+    Otherwise the row is written on its own (autocommit: it outlives a rolled-back
+    effect), or updates ``row_id`` when the handler failed after its effect committed.
     A failure to write it is logged with every field and does not fail the job: the
-    effect has already committed or rolled back by now, and the log line keeps the
-    evidence.
+    log line keeps the evidence.
     """
     fields = dict(
         task_id=task_id,
@@ -64,7 +71,18 @@ def record_attempt(
         external_request_id=external_request_id[:255],
         replay_of=replay_of,
     )
+    manager = Attempt.objects.using(settings.database)
+
+    def write() -> int:
+        if row_id is not None:
+            manager.filter(pk=row_id).update(**fields)
+            return row_id
+        return int(manager.create(**fields).pk)
+
+    if in_effect:
+        return write()
     try:
-        Attempt.objects.using(settings.database).create(**fields)
+        return write()
     except DatabaseError:
         logger.exception("could not record attempt", extra={"attempt_row": fields})
+        return None

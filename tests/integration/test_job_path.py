@@ -64,9 +64,13 @@ def test_worker_killed_after_commit_redelivers_and_effect_is_not_repeated(start_
     Increment().apply_async(kwargs={"name": "k", "op_id": "9", "die_after_effect": True},
                             queue=queue)
     # The first execution commits, then SIGKILLs its own pool process before the ack;
-    # reject_on_worker_lost puts the message back and a new child runs it again.
-    wait_for(lambda: outcomes() == [Outcome.ALREADY_APPLIED], timeout=40,
+    # reject_on_worker_lost puts the message back and a new child runs it again. The
+    # killed attempt's row committed with its effect, so both attempts are on record.
+    wait_for(lambda: outcomes() == [Outcome.ALREADY_APPLIED, Outcome.APPLIED], timeout=40,
              what="the redelivered execution")
+    first, second = Attempt.objects.order_by("started_at")
+    assert first.task_id == second.task_id
+    assert first.worker_pid != second.worker_pid
     assert Counter.objects.get(name="k").value == 1
     assert ProcessedOperation.objects.filter(key="counter:k:op:9").count() == 1
     assert "WorkerLostError" in worker.log() or "signal 9" in worker.log()

@@ -1,0 +1,31 @@
+"""Shared set-up for the benchmarks: Django on the bench database, migrated, empty."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DB_NAME = os.environ.get("EXPLICIT_BENCH_DB", "explicit_bench")
+
+
+def setup_django() -> None:
+    os.environ["EXPLICIT_TEST_DB_NAME"] = DB_NAME
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
+    sys.path.insert(0, str(ROOT))
+    subprocess.run(["createdb", "-h", "127.0.0.1", "-U", "postgres", DB_NAME],
+                   capture_output=True, check=False)
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+
+
+def summary(name: str, rates: list[float]) -> str:
+    return (f"{name:<34} median {statistics.median(rates):9.1f}/s   "
+            f"min {min(rates):9.1f}/s   max {max(rates):9.1f}/s   (n={len(rates)})")

@@ -1,0 +1,78 @@
+"""P2: ``effect()`` vs a bare ``transaction.atomic()`` doing the same one-row update.
+
+Interleaved blocks in one process on PostgreSQL. Targets: effect/atomic >= 0.93; a
+duplicate hit (key already in the ledger) costs <= 0.5 of a first run.
+
+    .venv/bin/python bench/p2_effect.py [--ops 2000] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+
+from common import setup_django, summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ops", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    setup_django()
+
+    from django.db import transaction
+    from django.db.models import F
+
+    from bench.benchapp.models import Row
+    from django_outbox import ledger
+    from django_outbox.models import ProcessedOperation
+
+    Row.objects.all().delete()
+    ProcessedOperation.objects.all().delete()
+    Row.objects.bulk_create(Row(id=i) for i in range(100))
+
+    def bare(keys: list[str]) -> float:
+        start = time.perf_counter()
+        for i, _ in enumerate(keys):
+            with transaction.atomic():
+                Row.objects.filter(id=i % 100).update(value=F("value") + 1)
+        return len(keys) / (time.perf_counter() - start)
+
+    def with_effect(keys: list[str]) -> float:
+        start = time.perf_counter()
+        for i, key in enumerate(keys):
+            with ledger.effect(key=key, fingerprint="f", task_name="bench",
+                               task_id=key) as eff:
+                if eff.done:
+                    continue
+                Row.objects.filter(id=i % 100).update(value=F("value") + 1)
+                eff.result_ref = key
+        return len(keys) / (time.perf_counter() - start)
+
+    # Warm-up: connection, statement paths.
+    bare([str(i) for i in range(200)])
+    with_effect([f"warm-{i}" for i in range(200)])
+
+    bare_rates, effect_rates, dup_rates = [], [], []
+    for _ in range(args.rounds):
+        keys = [f"p2-{uuid.uuid4().hex}" for _ in range(args.ops)]
+        bare_rates.append(bare(keys))
+        effect_rates.append(with_effect(keys))
+        dup_rates.append(with_effect(keys))  # every key is now in the ledger
+
+    print(summary("bare transaction.atomic() update", bare_rates))
+    print(summary("effect() first run", effect_rates))
+    print(summary("effect() duplicate hit", dup_rates))
+    ratios = sorted(e / b for e, b in zip(effect_rates, bare_rates, strict=True))
+    dup_cost = sorted(e / d for e, d in zip(effect_rates, dup_rates, strict=True))
+    print(f"P2 ratio effect/atomic per round: {', '.join(f'{r:.3f}' for r in ratios)}"
+          f"  -> median {ratios[len(ratios) // 2]:.3f} (target >= 0.93)")
+    print(f"duplicate-hit cost / first-run cost per round: "
+          f"{', '.join(f'{r:.3f}' for r in dup_cost)}"
+          f"  -> median {dup_cost[len(dup_cost) // 2]:.3f} (target <= 0.5)")
+
+
+if __name__ == "__main__":
+    main()
