@@ -46,10 +46,10 @@ _table = ProcessedOperation._meta.db_table
 # abort the PostgreSQL transaction) nor writes; RETURNING tells us whether we won.
 _CLAIM_SQL = (
     f"INSERT INTO {_table} (key, task_name, task_id, fingerprint, result_ref, processed_at) "
-    "VALUES (%s, %s, %s, %s, '', %s) ON CONFLICT (key) DO NOTHING RETURNING id"
+    "VALUES (%s, %s, %s, %s, '', %s) ON CONFLICT (key) DO NOTHING RETURNING key"
 )
 _EXISTING_SQL = f"SELECT fingerprint, result_ref FROM {_table} WHERE key = %s"
-_RESULT_SQL = f"UPDATE {_table} SET result_ref = %s WHERE id = %s"
+_RESULT_SQL = f"UPDATE {_table} SET result_ref = %s WHERE key = %s"
 
 
 @contextmanager

@@ -49,7 +49,9 @@ class ProcessedOperation(models.Model):
     a row exists if and only if the effect committed.
     """
 
-    key = models.CharField(max_length=255)
+    # The key is the primary key: its unique index is the claim (no second index to
+    # maintain on every effect).
+    key = models.CharField(max_length=255, primary_key=True)
     task_name = models.CharField(max_length=255)
     task_id = models.CharField(max_length=255)
     fingerprint = models.CharField(max_length=64, help_text="sha256 of the call's arguments")
@@ -60,9 +62,6 @@ class ProcessedOperation(models.Model):
         db_table = "django_outbox_effect"
         verbose_name = "effect (ledger)"
         verbose_name_plural = "effect ledger"
-        constraints = [
-            models.UniqueConstraint(fields=["key"], name="django_outbox_effect_key_uniq"),
-        ]
         indexes = [
             models.Index(fields=["processed_at"], name="django_outbox_effect_at_idx"),
         ]
