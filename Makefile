@@ -1,0 +1,19 @@
+# Convenience targets; scripts/ holds the real commands.
+.PHONY: test demo lint bench bench-p1 bench-p2
+
+test:
+	./scripts/test
+
+demo:
+	./scripts/demo
+
+lint:
+	.venv/bin/ruff check . && .venv/bin/ruff format --check celery_explicit django_outbox && .venv/bin/mypy
+
+bench: bench-p1 bench-p2
+
+bench-p1:
+	./scripts/bench p1_throughput.py
+
+bench-p2:
+	./scripts/bench p2_effect.py
