@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-
 from typing import Any
 
 from django.db import DatabaseError, connections

@@ -4,88 +4,225 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Attempt',
+            name="Attempt",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('task_id', models.CharField(max_length=255)),
-                ('task_name', models.CharField(max_length=255)),
-                ('idempotency_key', models.CharField(blank=True, default='', max_length=255)),
-                ('attempt', models.PositiveIntegerField(help_text='1 for the first try; retries add one')),
-                ('redelivered', models.BooleanField(default=False, help_text='the broker marked this delivery as a redelivery')),
-                ('worker_host', models.CharField(blank=True, default='', max_length=255)),
-                ('worker_pid', models.PositiveIntegerField(blank=True, null=True)),
-                ('started_at', models.DateTimeField()),
-                ('finished_at', models.DateTimeField()),
-                ('duration_ms', models.FloatField()),
-                ('outcome', models.CharField(choices=[('applied', 'effect applied'), ('already_applied', 'already applied (duplicate absorbed)'), ('succeeded', 'succeeded (no effect block)'), ('retry_scheduled', 'retry scheduled'), ('failed_permanent', 'failed: permanent error'), ('failed_unclassified', 'failed: unclassified error'), ('exhausted', 'failed: attempts exhausted'), ('bad_input', 'bad input'), ('conflict', 'idempotency conflict (other arguments)')], max_length=32)),
-                ('error_class', models.CharField(blank=True, default='', max_length=255)),
-                ('error_message', models.TextField(blank=True, default='')),
-                ('retry_delay', models.FloatField(blank=True, help_text='seconds until the next attempt', null=True)),
-                ('next_attempt_at', models.DateTimeField(blank=True, null=True)),
-                ('correlation_id', models.CharField(blank=True, default='', max_length=255)),
-                ('external_request_id', models.CharField(blank=True, default='', max_length=255)),
-                ('replay_of', models.BigIntegerField(blank=True, help_text='id of the dead letter this replays', null=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("task_id", models.CharField(max_length=255)),
+                ("task_name", models.CharField(max_length=255)),
+                ("idempotency_key", models.CharField(blank=True, default="", max_length=255)),
+                (
+                    "attempt",
+                    models.PositiveIntegerField(help_text="1 for the first try; retries add one"),
+                ),
+                (
+                    "redelivered",
+                    models.BooleanField(
+                        default=False, help_text="the broker marked this delivery as a redelivery"
+                    ),
+                ),
+                ("worker_host", models.CharField(blank=True, default="", max_length=255)),
+                ("worker_pid", models.PositiveIntegerField(blank=True, null=True)),
+                ("started_at", models.DateTimeField()),
+                ("finished_at", models.DateTimeField()),
+                ("duration_ms", models.FloatField()),
+                (
+                    "outcome",
+                    models.CharField(
+                        choices=[
+                            ("applied", "effect applied"),
+                            ("already_applied", "already applied (duplicate absorbed)"),
+                            ("succeeded", "succeeded (no effect block)"),
+                            ("retry_scheduled", "retry scheduled"),
+                            ("failed_permanent", "failed: permanent error"),
+                            ("failed_unclassified", "failed: unclassified error"),
+                            ("exhausted", "failed: attempts exhausted"),
+                            ("bad_input", "bad input"),
+                            ("conflict", "idempotency conflict (other arguments)"),
+                        ],
+                        max_length=32,
+                    ),
+                ),
+                ("error_class", models.CharField(blank=True, default="", max_length=255)),
+                ("error_message", models.TextField(blank=True, default="")),
+                (
+                    "retry_delay",
+                    models.FloatField(
+                        blank=True, help_text="seconds until the next attempt", null=True
+                    ),
+                ),
+                ("next_attempt_at", models.DateTimeField(blank=True, null=True)),
+                ("correlation_id", models.CharField(blank=True, default="", max_length=255)),
+                ("external_request_id", models.CharField(blank=True, default="", max_length=255)),
+                (
+                    "replay_of",
+                    models.BigIntegerField(
+                        blank=True, help_text="id of the dead letter this replays", null=True
+                    ),
+                ),
             ],
             options={
-                'db_table': 'django_outbox_attempt',
-                'indexes': [models.Index(fields=['idempotency_key', 'started_at'], name='django_outbox_attempt_key_idx'), models.Index(fields=['task_id'], name='django_outbox_attempt_task_idx'), models.Index(fields=['outcome', 'started_at'], name='django_outbox_attempt_outc_idx')],
-                'constraints': [models.CheckConstraint(condition=models.Q(('attempt__gte', 1)), name='django_outbox_attempt_number_gte_1'), models.CheckConstraint(condition=models.Q(('outcome__in', ['applied', 'already_applied', 'succeeded', 'retry_scheduled', 'failed_permanent', 'failed_unclassified', 'exhausted', 'bad_input', 'conflict'])), name='django_outbox_attempt_outcome_valid')],
+                "db_table": "django_outbox_attempt",
+                "indexes": [
+                    models.Index(
+                        fields=["idempotency_key", "started_at"],
+                        name="django_outbox_attempt_key_idx",
+                    ),
+                    models.Index(fields=["task_id"], name="django_outbox_attempt_task_idx"),
+                    models.Index(
+                        fields=["outcome", "started_at"], name="django_outbox_attempt_outc_idx"
+                    ),
+                ],
+                "constraints": [
+                    models.CheckConstraint(
+                        condition=models.Q(("attempt__gte", 1)),
+                        name="django_outbox_attempt_number_gte_1",
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            (
+                                "outcome__in",
+                                [
+                                    "applied",
+                                    "already_applied",
+                                    "succeeded",
+                                    "retry_scheduled",
+                                    "failed_permanent",
+                                    "failed_unclassified",
+                                    "exhausted",
+                                    "bad_input",
+                                    "conflict",
+                                ],
+                            )
+                        ),
+                        name="django_outbox_attempt_outcome_valid",
+                    ),
+                ],
             },
         ),
         migrations.CreateModel(
-            name='DeadLetter',
+            name="DeadLetter",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('task_id', models.CharField(max_length=255)),
-                ('task_name', models.CharField(max_length=255)),
-                ('args', models.JSONField(blank=True, default=list)),
-                ('kwargs', models.JSONField(blank=True, default=dict)),
-                ('raw_body', models.TextField(blank=True, default='', help_text='the message body, when it could not be decoded')),
-                ('idempotency_key', models.CharField(blank=True, default='', max_length=255)),
-                ('reason', models.CharField(choices=[('permanent', 'permanent error'), ('unclassified', 'unclassified error (classify it)'), ('exhausted', 'attempts exhausted'), ('bad_input', 'bad input'), ('conflict', 'idempotency conflict')], max_length=32)),
-                ('error_class', models.CharField(blank=True, default='', max_length=255)),
-                ('error_message', models.TextField(blank=True, default='')),
-                ('traceback', models.TextField(blank=True, default='')),
-                ('attempts', models.PositiveIntegerField(default=1)),
-                ('first_seen', models.DateTimeField()),
-                ('last_attempt', models.DateTimeField()),
-                ('correlation_id', models.CharField(blank=True, default='', max_length=255)),
-                ('queue', models.CharField(blank=True, default='', help_text='routing key it was consumed from; replays go back there', max_length=255)),
-                ('status', models.CharField(choices=[('open', 'open'), ('replayed', 'replayed'), ('discarded', 'discarded')], default='open', max_length=16)),
-                ('replayed_task_id', models.CharField(blank=True, default='', max_length=255)),
-                ('resolved_at', models.DateTimeField(blank=True, null=True)),
-                ('resolved_by', models.CharField(blank=True, default='', max_length=150)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("task_id", models.CharField(max_length=255)),
+                ("task_name", models.CharField(max_length=255)),
+                ("args", models.JSONField(blank=True, default=list)),
+                ("kwargs", models.JSONField(blank=True, default=dict)),
+                (
+                    "raw_body",
+                    models.TextField(
+                        blank=True,
+                        default="",
+                        help_text="the message body, when it could not be decoded",
+                    ),
+                ),
+                ("idempotency_key", models.CharField(blank=True, default="", max_length=255)),
+                (
+                    "reason",
+                    models.CharField(
+                        choices=[
+                            ("permanent", "permanent error"),
+                            ("unclassified", "unclassified error (classify it)"),
+                            ("exhausted", "attempts exhausted"),
+                            ("bad_input", "bad input"),
+                            ("conflict", "idempotency conflict"),
+                        ],
+                        max_length=32,
+                    ),
+                ),
+                ("error_class", models.CharField(blank=True, default="", max_length=255)),
+                ("error_message", models.TextField(blank=True, default="")),
+                ("traceback", models.TextField(blank=True, default="")),
+                ("attempts", models.PositiveIntegerField(default=1)),
+                ("first_seen", models.DateTimeField()),
+                ("last_attempt", models.DateTimeField()),
+                ("correlation_id", models.CharField(blank=True, default="", max_length=255)),
+                (
+                    "queue",
+                    models.CharField(
+                        blank=True,
+                        default="",
+                        help_text="routing key it was consumed from; replays go back there",
+                        max_length=255,
+                    ),
+                ),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("open", "open"),
+                            ("replayed", "replayed"),
+                            ("discarded", "discarded"),
+                        ],
+                        default="open",
+                        max_length=16,
+                    ),
+                ),
+                ("replayed_task_id", models.CharField(blank=True, default="", max_length=255)),
+                ("resolved_at", models.DateTimeField(blank=True, null=True)),
+                ("resolved_by", models.CharField(blank=True, default="", max_length=150)),
             ],
             options={
-                'db_table': 'django_outbox_dead_letter',
-                'permissions': [('replay_deadletter', 'Can replay a dead letter'), ('discard_deadletter', 'Can discard a dead letter')],
-                'indexes': [models.Index(fields=['status', 'last_attempt'], name='django_outbox_dl_status_idx'), models.Index(fields=['idempotency_key'], name='django_outbox_dl_key_idx')],
-                'constraints': [models.UniqueConstraint(fields=('task_id',), name='django_outbox_dl_task_uniq'), models.CheckConstraint(condition=models.Q(('reason__in', ['permanent', 'unclassified', 'exhausted', 'bad_input', 'conflict'])), name='django_outbox_dl_reason_valid')],
+                "db_table": "django_outbox_dead_letter",
+                "permissions": [
+                    ("replay_deadletter", "Can replay a dead letter"),
+                    ("discard_deadletter", "Can discard a dead letter"),
+                ],
+                "indexes": [
+                    models.Index(
+                        fields=["status", "last_attempt"], name="django_outbox_dl_status_idx"
+                    ),
+                    models.Index(fields=["idempotency_key"], name="django_outbox_dl_key_idx"),
+                ],
+                "constraints": [
+                    models.UniqueConstraint(fields=("task_id",), name="django_outbox_dl_task_uniq"),
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            (
+                                "reason__in",
+                                ["permanent", "unclassified", "exhausted", "bad_input", "conflict"],
+                            )
+                        ),
+                        name="django_outbox_dl_reason_valid",
+                    ),
+                ],
             },
         ),
         migrations.CreateModel(
-            name='ProcessedOperation',
+            name="ProcessedOperation",
             fields=[
-                ('key', models.CharField(max_length=255, primary_key=True, serialize=False)),
-                ('task_name', models.CharField(max_length=255)),
-                ('task_id', models.CharField(max_length=255)),
-                ('fingerprint', models.CharField(help_text="sha256 of the call's arguments", max_length=64)),
-                ('result_ref', models.CharField(blank=True, default='', max_length=255)),
-                ('processed_at', models.DateTimeField()),
+                ("key", models.CharField(max_length=255, primary_key=True, serialize=False)),
+                ("task_name", models.CharField(max_length=255)),
+                ("task_id", models.CharField(max_length=255)),
+                (
+                    "fingerprint",
+                    models.CharField(help_text="sha256 of the call's arguments", max_length=64),
+                ),
+                ("result_ref", models.CharField(blank=True, default="", max_length=255)),
+                ("processed_at", models.DateTimeField()),
             ],
             options={
-                'verbose_name': 'effect (ledger)',
-                'verbose_name_plural': 'effect ledger',
-                'db_table': 'django_outbox_effect',
-                'indexes': [models.Index(fields=['processed_at'], name='django_outbox_effect_at_idx')],
+                "verbose_name": "effect (ledger)",
+                "verbose_name_plural": "effect ledger",
+                "db_table": "django_outbox_effect",
+                "indexes": [
+                    models.Index(fields=["processed_at"], name="django_outbox_effect_at_idx")
+                ],
             },
         ),
     ]
