@@ -12,11 +12,12 @@ import uuid
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Min
 from django.utils import timezone
 
 from celery_explicit.idempotency import KEY_HEADER, REPLAY_HEADER
 from django_outbox.conf import settings
-from django_outbox.models import DeadLetter, DeadLetterReason, DeadLetterStatus
+from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, DeadLetterStatus
 
 
 def record(
@@ -38,9 +39,17 @@ def record(
     """Insert or update the dead letter of ``task_id``.
 
     A message redelivered after a crash may fail again: it updates its row (attempts,
-    last attempt, error) instead of adding a second one.
+    last attempt, error) instead of adding a second one. ``first_seen`` is when the
+    job's first recorded attempt started (retries keep the task id), else now.
     """
     now = timezone.now()
+    first_seen = (
+        Attempt.objects.using(settings.database)
+        .filter(task_id=task_id)
+        .aggregate(first=Min("started_at"))["first"]
+        if task_id
+        else None
+    ) or now
     defaults: dict[str, Any] = dict(
         task_name=task_name[:255],
         reason=reason,
@@ -60,7 +69,7 @@ def record(
     letter, _ = DeadLetter.objects.using(settings.database).update_or_create(
         task_id=task_id or f"unidentified-{uuid.uuid4()}",
         defaults=defaults,
-        create_defaults={**defaults, "first_seen": now},
+        create_defaults={**defaults, "first_seen": first_seen},
     )
     return letter
 

@@ -101,6 +101,10 @@ def test_retry_delays_are_spread_capped_and_exhaustion_dead_letters(start_worker
     letters = DeadLetter.objects.all()
     assert {d.reason for d in letters} == {DeadLetterReason.EXHAUSTED}
     assert {d.attempts for d in letters} == {4}
+    for letter in letters:  # first seen: the first attempt, not the dead-lettering
+        first = Attempt.objects.filter(task_id=letter.task_id, attempt=1).get()
+        assert letter.first_seen == first.started_at
+        assert letter.last_attempt > first.finished_at
     # max_attempts=4: three retries scheduled, then exhausted: exactly four executions.
     for job in jobs:
         rows = list(Attempt.objects.filter(idempotency_key=f"transient:{job}")
