@@ -59,8 +59,8 @@ class Execution:
     correlation_id: str
     outcome: Outcome | None = None
     external_request_id: str = ""
-    #: The attempt row, once written (inside the effect's transaction on success).
-    attempt_row_id: int | None = None
+    #: An effect block committed this attempt's row (a later record updates it).
+    effect_row_written: bool = False
     recorded: bool = False
     #: False for a direct function call: no message, so no attempt row.
     audited: bool = True
@@ -166,7 +166,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
 
         started = timezone.now()
         try:
-            execution = self._begin(request, args, kwargs)
+            execution = self._begin(request, args, kwargs, started=started)
         except BadInput as exc:
             self._dead_letter_and_audit(
                 request,
@@ -184,7 +184,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             result = super().__call__(*args, **kwargs)
         except Retry:
             # The handler called self.retry() itself: an explicit decision, recorded.
-            self._audit(execution, "RETRY_SCHEDULED", started=started)
+            self._audit(execution, "RETRY_SCHEDULED")
             raise
         except IdempotencyConflict as exc:
             metrics.duplicates_absorbed.labels(self.name, "arguments").inc()
@@ -204,10 +204,17 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             self._handle_error(execution, request, args, kwargs, exc, started=started)
             raise
         if not execution.recorded:
-            self._audit(execution, "SUCCEEDED", started=started)
+            self._audit(execution, "SUCCEEDED")
         return result
 
-    def _begin(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Execution:
+    def _begin(
+        self,
+        request: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        started: datetime | None = None,
+    ) -> Execution:
         arguments, given = self.bind_arguments(tuple(args), dict(kwargs))
         key = idempotency.render_key(self.name, self.contract.idempotency_key, given)
         # The header is what the publisher rendered; the worker renders again from the
@@ -220,7 +227,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             fingerprint=idempotency.fingerprint(arguments),
             arguments=arguments,
             attempt=int(request.retries or 0) + 1,
-            started_at=timezone.now(),
+            started_at=started or timezone.now(),
             audited=not request.called_directly,
             correlation_id=str(
                 getattr(request, idempotency.CORRELATION_HEADER, None)
@@ -248,9 +255,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             if execution.attempt < policy.max_attempts:
                 delay = policy.delay(execution.attempt, exc, rng=_rng)
                 metrics.retries_scheduled.labels(self.name, type(exc).__name__).inc()
-                self._audit(
-                    execution, "RETRY_SCHEDULED", started=started, exc=exc, retry_delay=delay
-                )
+                self._audit(execution, "RETRY_SCHEDULED", exc=exc, retry_delay=delay)
                 # max_retries=None: we count attempts ourselves (max_attempts).
                 raise self.retry(exc=exc, countdown=delay, max_retries=None)
             outcome, reason = "EXHAUSTED", "EXHAUSTED"
@@ -275,10 +280,21 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
     @contextmanager
     def effect(self, *, using: str | None = None) -> Iterator[Effect]:
         """The effect and its ledger row in one transaction; see ``django_outbox.ledger``."""
-        from django_outbox import ledger
+        from django_outbox import audit, ledger
         from django_outbox.models import Outcome
 
         execution = self._execution()
+
+        def attempt_row(claimed: Effect) -> list[audit.Statement]:
+            # Runs inside the effect's transaction, after the block: the attempt row
+            # commits with the effect (one commit per job), and "applied" is never
+            # recorded for an effect that rolled back.
+            execution.outcome = Outcome.ALREADY_APPLIED if claimed.done else Outcome.APPLIED
+            if not execution.audited:
+                return []
+            fields = self._attempt_fields(execution, execution.outcome)
+            return [audit.insert_statement(fields, replace=execution.effect_row_written)]
+
         try:
             with ledger.effect(
                 key=execution.key,
@@ -286,26 +302,16 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 task_name=self.name,
                 task_id=execution.task_id,
                 using=using,
+                before_commit=attempt_row,
             ) as claimed:
                 yield claimed
-                execution.outcome = Outcome.ALREADY_APPLIED if claimed.done else Outcome.APPLIED
-                if execution.audited:
-                    # Still inside the effect's transaction: the attempt row commits with
-                    # the effect (one commit per job), and "applied" is never recorded
-                    # for an effect that rolled back.
-                    self._audit(
-                        execution,
-                        execution.outcome.name,
-                        started=execution.started_at,
-                        in_effect=True,
-                    )
         except BaseException:
-            # The transaction rolled back, taking the attempt row with it: the error
-            # path must insert a new one.
-            execution.attempt_row_id = None
-            execution.recorded = False
-            execution.outcome = None
+            execution.outcome = None  # rolled back: the error path records the attempt
             raise
+        if execution.audited:
+            execution.effect_row_written = execution.recorded = True
+            assert execution.outcome is not None
+            self._emit(execution, execution.outcome)
         if claimed.done:
             metrics.duplicates_absorbed.labels(self.name, "duplicate").inc()
             self._log("effect already applied: duplicate absorbed", execution, layer="effect")
@@ -327,23 +333,18 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
 
     # --- records ------------------------------------------------------------------
 
-    def _audit(
+    def _attempt_fields(
         self,
         execution: Execution,
-        outcome_name: str,
+        outcome: Outcome,
         *,
-        started: datetime,
         exc: BaseException | None = None,
         retry_delay: float | None = None,
-        in_effect: bool = False,
-    ) -> None:
+    ) -> dict[str, Any]:
         from django_outbox import audit
-        from django_outbox.models import Outcome
 
-        outcome = Outcome[outcome_name]
-        finished = timezone.now()
         request = self.request
-        execution.attempt_row_id = audit.record_attempt(
+        return audit.attempt_fields(
             task_id=execution.task_id,
             task_name=self.name,
             idempotency_key=execution.key,
@@ -351,8 +352,8 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             redelivered=bool((request.delivery_info or {}).get("redelivered")),
             worker_host=str(request.hostname or ""),
             worker_pid=os.getpid(),
-            started_at=started,
-            finished_at=finished,
+            started_at=execution.started_at,
+            finished_at=timezone.now(),
             outcome=outcome,
             error_class=_qualname(exc) if exc else "",
             error_message=str(exc)[:4000] if exc else "",
@@ -360,12 +361,39 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             correlation_id=execution.correlation_id,
             external_request_id=execution.external_request_id,
             replay_of=_int_or_none(getattr(request, idempotency.REPLAY_HEADER, None)),
-            row_id=execution.attempt_row_id,
-            in_effect=in_effect,
         )
+
+    def _audit(
+        self,
+        execution: Execution,
+        outcome_name: str,
+        *,
+        exc: BaseException | None = None,
+        retry_delay: float | None = None,
+    ) -> None:
+        """Record how the attempt ended, when no effect block recorded it already."""
+        from django_outbox import audit
+        from django_outbox.models import Outcome
+
+        outcome = Outcome[outcome_name]
+        fields = self._attempt_fields(execution, outcome, exc=exc, retry_delay=retry_delay)
+        # An effect block may have committed this attempt's row before the handler
+        # failed: update it rather than add a second row for one attempt.
+        audit.record_attempt(fields, replace=execution.effect_row_written)
         execution.recorded = True
+        self._emit(execution, outcome, exc=exc, retry_delay=retry_delay)
+
+    def _emit(
+        self,
+        execution: Execution,
+        outcome: Outcome,
+        *,
+        exc: BaseException | None = None,
+        retry_delay: float | None = None,
+    ) -> None:
         metrics.executions.labels(self.name, outcome.value).inc()
-        metrics.attempt_seconds.labels(self.name).observe((finished - started).total_seconds())
+        elapsed = (timezone.now() - execution.started_at).total_seconds()
+        metrics.attempt_seconds.labels(self.name).observe(elapsed)
         self._log(
             f"attempt {execution.attempt} ended: {outcome.value}",
             execution,
@@ -436,7 +464,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 started_at=started,
                 correlation_id=correlation,
             )
-        self._audit(execution, outcome_name, started=started, exc=exc)
+        self._audit(execution, outcome_name, exc=exc)
 
     def _log(self, message: str, execution: Execution, **fields: Any) -> None:
         logger.info(

@@ -2,12 +2,18 @@
 
 Answers "why was this job repeated?": every attempt of a key, its number, whether the
 broker redelivered it, which worker ran it, how it ended, and when the next one is due.
+
+An attempt that ran an effect block writes its row inside the effect's transaction
+(``insert_statement``, handed to ``ledger.effect(before_commit=...)``): an ``applied``
+row exists exactly when the effect committed, and the job commits once. Other attempts
+write their row on their own when they end (``record_attempt``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from django.db import DatabaseError, connections
@@ -17,8 +23,10 @@ from django_outbox.models import Attempt, Outcome
 
 logger = logging.getLogger("django_outbox.audit")
 
+Statement = tuple[str, Sequence[Any]]
 
-def record_attempt(
+
+def attempt_fields(
     *,
     task_id: str,
     task_name: str,
@@ -36,21 +44,9 @@ def record_attempt(
     correlation_id: str = "",
     external_request_id: str = "",
     replay_of: int | None = None,
-    row_id: int | None = None,
-    in_effect: bool = False,
-) -> int | None:
-    """Write the attempt row; return its id.
-
-    ``in_effect=True``: the row joins the effect's transaction, so an ``applied`` row
-    exists exactly when the effect committed, and the effect's commit is the only one
-    (one WAL flush per job instead of two). A failure then rolls the effect back too.
-
-    Otherwise the row is written on its own (autocommit: it outlives a rolled-back
-    effect), or updates ``row_id`` when the handler failed after its effect committed.
-    A failure to write it is logged with every field and does not fail the job: the
-    log line keeps the evidence.
-    """
-    fields = dict(
+) -> dict[str, Any]:
+    """The columns of one attempt row (column names equal the field names)."""
+    return dict(
         task_id=task_id,
         task_name=task_name,
         idempotency_key=idempotency_key,
@@ -72,38 +68,49 @@ def record_attempt(
         external_request_id=external_request_id[:255],
         replay_of=replay_of,
     )
-    manager = Attempt.objects.using(settings.database)
 
-    def write() -> int:
-        if row_id is not None:
-            manager.filter(pk=row_id).update(**fields)
-            return row_id
-        return _insert(fields)
 
-    if in_effect:
-        return write()
+def insert_statement(fields: dict[str, Any], *, replace: bool = False) -> Statement:
+    """SQL writing the row, to run inside the effect's transaction.
+
+    ``replace=True``: this attempt already wrote its row in an earlier effect block of
+    the same handler; update that row instead of adding a second one.
+    """
+    connection = connections[settings.database]
+    table = Attempt._meta.db_table
+    if replace:
+        assignments = ", ".join(f"{c} = %s" for c in fields)
+        return (
+            f"UPDATE {table} SET {assignments} "
+            "WHERE task_id = %s AND attempt = %s AND started_at = %s",
+            [*_params(connection, fields), *_locator(connection, fields)],
+        )
+    columns = ", ".join(fields)
+    placeholders = ", ".join(["%s"] * len(fields))
+    return (f"INSERT INTO {table} ({columns}) VALUES ({placeholders})", _params(connection, fields))
+
+
+def record_attempt(fields: dict[str, Any], *, replace: bool = False) -> None:
+    """Write the row on its own (autocommit: it outlives a rolled-back effect).
+
+    ``replace=True`` updates the row an effect block already committed for this attempt
+    (the handler failed after its effect). A failure to write is logged with every
+    field and does not fail the job: the log line keeps the evidence.
+    """
+    sql, params = insert_statement(fields, replace=replace)
     try:
-        return write()
+        with connections[settings.database].cursor() as cursor:
+            cursor.execute(sql, params)
     except DatabaseError:
         logger.exception("could not record attempt", extra={"attempt_row": fields})
-        return None
 
 
-def _insert(fields: dict[str, Any]) -> int:
-    """One INSERT ... RETURNING id, without building a model instance.
+def _params(connection: Any, fields: dict[str, Any]) -> list[Any]:
+    return [_adapt(connection, value) for value in fields.values()]
 
-    This runs once per job on the hot path; the ORM's ``create()`` costs about as much
-    Python time as the round trip itself. Column names equal the field names.
-    """
-    columns = list(fields)
-    sql = (
-        f"INSERT INTO {Attempt._meta.db_table} ({', '.join(columns)}) "
-        f"VALUES ({', '.join(['%s'] * len(columns))}) RETURNING id"
-    )
-    connection = connections[settings.database]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [_adapt(connection, fields[c]) for c in columns])
-        return int(cursor.fetchone()[0])
+
+def _locator(connection: Any, fields: dict[str, Any]) -> list[Any]:
+    return [fields["task_id"], fields["attempt"], _adapt(connection, fields["started_at"])]
 
 
 def _adapt(connection: Any, value: Any) -> Any:

@@ -34,6 +34,15 @@ class Settings:
         """
         return str(getattr(django_settings, "EXPLICIT_DATABASE", "default"))
 
+    @property
+    def ledger_round_trips(self) -> bool:
+        """``EXPLICIT_LEDGER_ROUND_TRIPS`` (default True): on PostgreSQL with psycopg 3,
+        send the ledger's claim with BEGIN and its last writes with COMMIT, so an effect
+        costs no more round trips than a bare transaction. Turn off to have every
+        statement pass through Django's cursor wrappers (query logging, instrumentation).
+        """
+        return bool(getattr(django_settings, "EXPLICIT_LEDGER_ROUND_TRIPS", True))
+
     def celery_app(self) -> Celery:
         path = self.celery_app_path
         if path:

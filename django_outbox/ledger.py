@@ -2,10 +2,10 @@
 
 ``effect()`` opens one database transaction and claims the key in it by inserting the
 ledger row *first*. A second execution with the same key (a redelivery, a retry, a
-concurrent worker) blocks on the unique index until the first transaction ends, then
+concurrent worker) blocks on the primary key until the first transaction ends, then
 sees the committed row and is told ``done``. If the first rolls back, its row vanishes
-with its effect and the second one applies. The database's unique constraint decides;
-no Redis check beforehand could (it would race with the commit).
+with its effect and the second one applies. The database's constraint decides; no
+Redis check beforehand could (it would race with the commit).
 
 Usage, inside a task (``ExplicitTask.effect()`` fills in the key)::
 
@@ -18,9 +18,10 @@ Usage, inside a task (``ExplicitTask.effect()`` fills in the key)::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from django.db import connections, transaction
 from django.utils import timezone
@@ -28,6 +29,8 @@ from django.utils import timezone
 from celery_explicit.errors import IdempotencyConflict
 from django_outbox.conf import settings
 from django_outbox.models import ProcessedOperation
+
+Statement = tuple[str, Sequence[Any]]
 
 
 @dataclass
@@ -49,32 +52,142 @@ _CLAIM_SQL = (
     "VALUES (%s, %s, %s, %s, '', %s) ON CONFLICT (key) DO NOTHING RETURNING key"
 )
 _EXISTING_SQL = f"SELECT fingerprint, result_ref FROM {_table} WHERE key = %s"
+# PostgreSQL: claim, or read the row that is already there, in one statement. The read
+# uses the statement's snapshot, so a row committed by a concurrent claimant we waited
+# for is not visible to it: no row comes back and _EXISTING_SQL reads it afresh.
+_CLAIM_OR_READ_SQL = (
+    f"WITH claim AS ({_CLAIM_SQL}) "
+    "SELECT true, NULL, NULL FROM claim "
+    f"UNION ALL SELECT false, fingerprint, result_ref FROM {_table} "
+    "WHERE key = %s AND NOT EXISTS (SELECT 1 FROM claim)"
+)
 _RESULT_SQL = f"UPDATE {_table} SET result_ref = %s WHERE key = %s"
 
 
 @contextmanager
 def effect(
-    *, key: str, fingerprint: str, task_name: str, task_id: str, using: str | None = None
+    *,
+    key: str,
+    fingerprint: str,
+    task_name: str,
+    task_id: str,
+    using: str | None = None,
+    before_commit: Callable[[Effect], list[Statement]] | None = None,
 ) -> Iterator[Effect]:
     """One transaction holding the effect and its ledger row.
 
-    Raises ``IdempotencyConflict`` when the key was applied with other arguments: that
-    is neither a duplicate to absorb nor a new effect to apply.
+    ``before_commit`` returns statements to run in the same transaction after the
+    block (the attempt row). Raises ``IdempotencyConflict`` when the key was applied
+    with other arguments: that is neither a duplicate to absorb nor a new effect.
     """
     alias = using or settings.database
-    with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
-        cursor.execute(_CLAIM_SQL, [key, task_name, task_id, fingerprint, timezone.now()])
-        row = cursor.fetchone()
-        if row is not None:
+    connection = connections[alias]
+    owns_transaction = not connection.in_atomic_block
+    with transaction.atomic(using=alias):
+        trips = _round_trips(connection) if owns_transaction else None
+        params: list[Any] = [key, task_name, task_id, fingerprint, timezone.now()]
+        row: Sequence[Any] | None
+        if trips is not None:
+            row = trips.begin_and_fetch(_CLAIM_OR_READ_SQL, [*params, key])
+        elif connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(_CLAIM_OR_READ_SQL, [*params, key])
+                row = cursor.fetchone()
+        else:
+            with connection.cursor() as cursor:
+                cursor.execute(_CLAIM_SQL, params)
+                row = (True, None, None) if cursor.fetchone() is not None else None
+        if row is None:
+            with connection.cursor() as cursor:
+                cursor.execute(_EXISTING_SQL, [key])
+                stored_fingerprint, result_ref = cursor.fetchone()
+            row = (False, stored_fingerprint, result_ref)
+        won, stored_fingerprint, result_ref = row
+        if won:
             claimed = Effect(key=key, fingerprint=fingerprint, done=False)
-            yield claimed
-            if claimed.result_ref:
-                cursor.execute(_RESULT_SQL, [str(claimed.result_ref)[:255], row[0]])
-            return
-        cursor.execute(_EXISTING_SQL, [key])
-        stored_fingerprint, result_ref = cursor.fetchone()
-        if stored_fingerprint != fingerprint:
-            raise IdempotencyConflict(
-                key, stored_fingerprint=stored_fingerprint, fingerprint=fingerprint
-            )
-        yield Effect(key=key, fingerprint=fingerprint, done=True, result_ref=result_ref)
+        else:
+            if stored_fingerprint != fingerprint:
+                raise IdempotencyConflict(
+                    key, stored_fingerprint=stored_fingerprint, fingerprint=fingerprint
+                )
+            claimed = Effect(key=key, fingerprint=fingerprint, done=True, result_ref=result_ref)
+
+        yield claimed
+
+        statements: list[Statement] = []
+        if claimed.result_ref and not claimed.done:
+            statements.append((_RESULT_SQL, [str(claimed.result_ref)[:255], key]))
+        if before_commit is not None:
+            statements += before_commit(claimed)
+        if trips is not None:
+            # Committed here; Django's own commit at the end of atomic() then finds the
+            # transaction closed and has nothing to do (its on_commit hooks still run).
+            trips.execute_and_commit(statements)
+        else:
+            with connection.cursor() as cursor:
+                for sql, statement_params in statements:
+                    cursor.execute(sql, statement_params)
+
+
+class _RoundTrips:
+    """PostgreSQL only: BEGIN + claim in one round trip, the last writes + COMMIT in one.
+
+    A plain ``atomic()`` costs three round trips (BEGIN, the update, COMMIT); the ledger
+    would add two more statements. Sending each with its neighbour keeps the job at
+    three, which is what makes the ledger cheap next to a bare transaction
+    (docs/performance.md). The statements go through libpq directly, as one simple-query
+    string with the parameters bound by psycopg's client-side quoting (the same quoting
+    Django's default client-side binding cursor uses), so they do not pass through
+    Django's cursor wrappers: ``connection.queries`` and ``execute_wrapper`` hooks do
+    not see them. ``EXPLICIT_LEDGER_ROUND_TRIPS = False`` turns this off.
+    """
+
+    def __init__(self, connection: Any, raw: Any) -> None:
+        import psycopg
+
+        self._connection = connection
+        self._raw = raw
+        self._quote = psycopg.ClientCursor(raw).mogrify
+
+    def begin_and_fetch(self, sql: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
+        """The first row, decoded as text (``t``/``f`` for booleans), or None."""
+        result = self._run("BEGIN; " + self._quote(sql, params))
+        if not result.ntuples:
+            return None
+        encoding = self._raw.info.encoding
+        values = [result.get_value(0, i) for i in range(result.nfields)]
+        decoded = [None if v is None else bytes(v).decode(encoding) for v in values]
+        return (decoded[0] == "t", *decoded[1:])
+
+    def execute_and_commit(self, statements: list[Statement]) -> None:
+        parts = [self._quote(sql, params) for sql, params in statements]
+        self._run("; ".join([*parts, "COMMIT"]))
+
+    def _run(self, query: str) -> Any:
+        from psycopg import errors, pq
+
+        with self._connection.wrap_database_errors:
+            # libpq stops at the first failing statement of the string: a failed write
+            # never reaches the COMMIT after it, and the transaction is left aborted for
+            # Django's rollback.
+            result = self._raw.pgconn.exec_(query.encode())
+            if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+                raise errors.error_from_result(result, encoding=self._raw.info.encoding)
+        return result
+
+
+def _round_trips(connection: Any) -> _RoundTrips | None:
+    """The fast path, when this transaction is ours and has not started on the server."""
+    if not settings.ledger_round_trips or connection.vendor != "postgresql":
+        return None
+    try:
+        import psycopg
+        from psycopg import pq
+    except ImportError:  # psycopg2: the plain path
+        return None
+    raw = connection.connection
+    if not isinstance(raw, psycopg.Connection) or raw.autocommit:
+        return None
+    if raw.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+        return None
+    return _RoundTrips(connection, raw)

@@ -6,8 +6,9 @@ import threading
 import time
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import DatabaseError, connection, connections, transaction
 from django.db.models import F
+from django.test import override_settings
 
 from celery_explicit import IdempotencyConflict
 from django_outbox import ledger
@@ -15,6 +16,14 @@ from django_outbox.models import ProcessedOperation
 from tests.testapp.models import Counter
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["round-trips", "plain-cursor"])
+def round_trips(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Every ledger test runs on both paths: BEGIN+claim / writes+COMMIT sent together
+    through libpq, and every statement through Django's cursor."""
+    with override_settings(EXPLICIT_LEDGER_ROUND_TRIPS=request.param):
+        yield request.param
 
 
 def claim(key: str, fingerprint: str = "f1"):  # type: ignore[no-untyped-def]
@@ -131,3 +140,49 @@ def test_concurrent_second_execution_applies_when_first_rolls_back() -> None:
         t.join(10)
     assert seen["second_done"] is False
     assert ProcessedOperation.objects.filter(key="k6").count() == 1
+
+
+def test_on_commit_hooks_run_after_the_effect_commits() -> None:
+    ran: list[bool] = []
+    with claim("k7"):
+        transaction.on_commit(
+            lambda: ran.append(ProcessedOperation.objects.filter(key="k7").exists())
+        )
+        assert ran == []
+    assert ran == [True]  # ran once, and saw the committed row
+
+
+def test_a_failing_last_write_rolls_back_effect_and_ledger_and_leaves_a_clean_connection(
+) -> None:
+    Counter.objects.create(name="lw")
+    bad = [("INSERT INTO no_such_table VALUES (%s)", [1])]
+    with pytest.raises(DatabaseError), ledger.effect(
+        key="k8", fingerprint="f", task_name="t", task_id="id", before_commit=lambda e: bad
+    ):
+        Counter.objects.filter(name="lw").update(value=F("value") + 1)
+    assert not ProcessedOperation.objects.filter(key="k8").exists()
+    assert Counter.objects.get(name="lw").value == 0
+    assert connection.get_autocommit()
+    with claim("k8") as eff:  # the connection is usable and the key still free
+        assert not eff.done
+
+
+def test_before_commit_statements_commit_with_the_effect() -> None:
+    from django.utils import timezone
+
+    from django_outbox import audit
+    from django_outbox.models import Attempt, Outcome
+
+    now = timezone.now()
+    fields = audit.attempt_fields(
+        task_id="t9", task_name="t", idempotency_key="k9", attempt=1, redelivered=False,
+        worker_host="h", worker_pid=1, started_at=now, finished_at=now,
+        outcome=Outcome.APPLIED,
+    )
+    with ledger.effect(key="k9", fingerprint="f", task_name="t", task_id="t9",
+                       before_commit=lambda e: [audit.insert_statement(fields)]) as eff:
+        eff.result_ref = "r9"
+    row = Attempt.objects.get(task_id="t9")
+    assert row.outcome == Outcome.APPLIED
+    assert row.started_at == now
+    assert ProcessedOperation.objects.get(key="k9").result_ref == "r9"
