@@ -4,8 +4,9 @@ Public API, by topic:
 
 - declaring a task: ``ExplicitTask``, ``effect`` (for handlers without ``bind=True``)
 - retry classification: ``RetryAfter``, ``Unclassified``
+- lease locks: ``LeaseLock`` (see ``celery_explicit.locks``)
 - errors: ``ExplicitError`` (root), ``ContractError``, ``BadInput``,
-  ``IdempotencyConflict``
+  ``IdempotencyConflict``, ``LockError`` and its kinds, ``StaleFencingToken``
 """
 
 from celery_explicit.errors import (
@@ -13,21 +14,34 @@ from celery_explicit.errors import (
     ContractError,
     ExplicitError,
     IdempotencyConflict,
+    LockConfigError,
+    LockError,
+    LockNotAcquired,
+    LockNotOwned,
     RetryAfter,
+    StaleFencingToken,
 )
+from celery_explicit.locks import LeaseLock
 from celery_explicit.retry_policy import Unclassified
 from celery_explicit.task import ExplicitTask, effect
 
 __all__ = [
-    # errors
-    "BadInput",
-    "ContractError",
-    "ExplicitError",
     # declaring a task
     "ExplicitTask",
-    "IdempotencyConflict",
+    "effect",
     # retry classification
     "RetryAfter",
     "Unclassified",
-    "effect",
+    # lease locks
+    "LeaseLock",
+    # errors
+    "ExplicitError",
+    "ContractError",
+    "BadInput",
+    "IdempotencyConflict",
+    "LockError",
+    "LockConfigError",
+    "LockNotAcquired",
+    "LockNotOwned",
+    "StaleFencingToken",
 ]

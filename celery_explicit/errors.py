@@ -75,3 +75,56 @@ class RetryAfter(ExplicitError):
     def __init__(self, retry_after: float, message: str = "") -> None:
         self.retry_after = float(retry_after)
         super().__init__(message or f"retry requested after {self.retry_after:g}s")
+
+
+# --- locks -----------------------------------------------------------------------------
+
+
+class LockError(ExplicitError):
+    """A lease lock could not be taken, kept or given back. Carries ``lock_name``."""
+
+    def __init__(self, lock_name: str, message: str) -> None:
+        self.lock_name = lock_name
+        super().__init__(message)
+
+
+class LockConfigError(LockError, ValueError):
+    """A lock declared with a bad TTL or name: fix the code."""
+
+
+class LockNotAcquired(LockError):
+    """Still held by another owner after the bounded wait."""
+
+    def __init__(self, lock_name: str, *, waited: float) -> None:
+        self.waited = waited
+        super().__init__(
+            lock_name,
+            f"Cannot acquire lock {lock_name}: held by another owner (waited {waited:.3f}s)",
+        )
+
+
+class LockNotOwned(LockError):
+    """Release or extend by a token that no longer owns the lock (expired or stolen)."""
+
+    def __init__(self, lock_name: str, *, action: str, token: str | None) -> None:
+        self.action = action
+        self.token = token
+        detail = (
+            "no longer owned by this token"
+            if token
+            else "this holder never acquired it or already released it"
+        )
+        super().__init__(lock_name, f"Cannot {action} lock {lock_name}: {detail}")
+
+
+class StaleFencingToken(ExplicitError):
+    """A write carried a fencing token older than the one already stored: refused."""
+
+    def __init__(self, target: str, *, token: int, current: int) -> None:
+        self.target = target
+        self.token = token
+        self.current = current
+        super().__init__(
+            f"Refused write to {target}: fencing token {token} is older than "
+            f"the stored {current} (a newer holder already wrote)"
+        )

@@ -41,3 +41,18 @@ attempt_seconds = Histogram(
     "Wall time of one attempt of a handler, bookkeeping included.",
     ["task"],
 )
+lock_wait_seconds = Histogram(
+    "explicit_lock_wait_seconds",
+    "Time spent waiting to acquire a lease lock, by lock family (name up to ':').",
+    ["lock"],
+)
+lock_not_acquired = Counter(
+    "explicit_lock_not_acquired_total",
+    "Acquisitions that gave up after their bounded wait.",
+    ["lock"],
+)
+locks_lost = Counter(
+    "explicit_locks_lost_total",
+    "Release or extend attempted by a holder whose lock had expired or been taken.",
+    ["lock", "action"],
+)

@@ -43,6 +43,18 @@ class Settings:
         """
         return bool(getattr(django_settings, "EXPLICIT_LEDGER_ROUND_TRIPS", True))
 
+    @property
+    def redis_url(self) -> str:
+        """``EXPLICIT_REDIS_URL``: the Redis holding locks (default: the Celery broker
+        when it is Redis, else redis://127.0.0.1:6379/0)."""
+        value = getattr(django_settings, "EXPLICIT_REDIS_URL", None)
+        if value:
+            return str(value)
+        broker = str(self.celery_app().conf.broker_url or "")
+        return (
+            broker if broker.startswith(("redis://", "rediss://")) else ("redis://127.0.0.1:6379/0")
+        )
+
     def celery_app(self) -> Celery:
         path = self.celery_app_path
         if path:

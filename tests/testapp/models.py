@@ -9,3 +9,14 @@ class Counter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name}={self.value}"
+
+
+class Profile(models.Model):
+    """A row rebuilt under a lease lock; the fencing token of its last write is kept."""
+
+    user_id = models.IntegerField(unique=True)
+    data = models.CharField(max_length=100, default="")
+    fencing_token = models.BigIntegerField(null=True)
+
+    def __str__(self) -> str:
+        return f"profile {self.user_id}"

@@ -1,0 +1,228 @@
+"""Lease locks: expiry, an owner token, compare-and-act scripts, a fencing token.
+
+A lock that never expires stays held by a dead process forever; a lock released with
+GET-then-DEL can delete the lock a second owner took in between. Here a lock always has
+a TTL, only its owner (the random token it got at acquisition) can release or extend
+it, each of those is one Lua script, and every acquisition gets a fencing token: a
+number that only grows, so a write can refuse a holder that lost its lock while paused
+(``django_outbox.fencing.fenced_update``).
+
+    lock = LeaseLock(redis_client, "rebuild:user:123", ttl=30.0)
+    with lock.hold(wait=5.0) as fence:
+        rebuild(user_id=123, fencing_token=fence)
+        lock.extend()        # still working: push the expiry forward
+
+State in Redis, per lock: a hash ``{prefix}lock:{name}`` (token, owner, acquired_ms,
+fence) with the TTL, and a counter ``{prefix}fence:{name}`` that outlives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from celery_explicit import metrics
+from celery_explicit.errors import LockConfigError, LockNotAcquired, LockNotOwned
+
+logger = logging.getLogger("celery_explicit.locks")
+
+DEFAULT_PREFIX = "explicit:"
+
+# KEYS[1] - the lock hash
+# KEYS[2] - the fencing counter (never expires)
+# ARGV[1] - owner token
+# ARGV[2] - ttl in milliseconds
+# ARGV[3] - owner description (host:pid)
+# return the new fencing token if acquired, otherwise false
+ACQUIRE = """
+if redis.call('exists', KEYS[1]) == 1 then
+    return false
+end
+local fence = redis.call('incr', KEYS[2])
+local now = redis.call('time')
+local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
+redis.call('hset', KEYS[1], 'token', ARGV[1], 'owner', ARGV[3],
+           'acquired_ms', now_ms, 'fence', fence)
+redis.call('pexpire', KEYS[1], ARGV[2])
+return fence
+"""
+
+# KEYS[1] - the lock hash
+# ARGV[1] - owner token
+# return 1 if released, otherwise 0
+RELEASE = """
+if redis.call('hget', KEYS[1], 'token') == ARGV[1] then
+    return redis.call('del', KEYS[1])
+end
+return 0
+"""
+
+# KEYS[1] - the lock hash
+# ARGV[1] - owner token
+# ARGV[2] - new ttl in milliseconds, counted from now
+# return 1 if extended, otherwise 0
+EXTEND = """
+if redis.call('hget', KEYS[1], 'token') == ARGV[1] then
+    return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class LiveLock:
+    """A lock as an operator sees it (``manage.py explicit_locks``)."""
+
+    name: str
+    owner: str
+    fence: int
+    age: float  # seconds since acquisition
+    expires_in: float  # seconds until Redis drops it
+
+
+class LeaseLock:
+    """One named lock. Not reentrant; one instance per holder (it keeps the token)."""
+
+    def __init__(self, client: Any, name: str, *, ttl: float, prefix: str = DEFAULT_PREFIX) -> None:
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
+            raise LockConfigError(
+                name, f"Lock {name}: ttl must be a positive number of seconds, got {ttl!r}"
+            )
+        if not name:
+            raise LockConfigError(name, "a lock needs a non-empty name")
+        self.client = client
+        self.name = name
+        self.ttl = float(ttl)
+        self.key = f"{prefix}lock:{name}"
+        self.fence_key = f"{prefix}fence:{name}"
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self.token: str | None = None
+        self.fence: int | None = None
+        self._acquire = client.register_script(ACQUIRE)
+        self._release = client.register_script(RELEASE)
+        self._extend = client.register_script(EXTEND)
+
+    def acquire(self, *, wait: float = 0.0) -> int:
+        """Take the lock, waiting up to ``wait`` seconds; return the fencing token.
+
+        Raises ``LockNotAcquired`` (with the time waited) when it is still held by
+        someone else after ``wait``. Polls with jitter, so waiters do not wake together.
+        """
+        token = uuid.uuid4().hex
+        start = time.monotonic()
+        deadline = start + max(0.0, wait)
+        pause = 0.01
+        while True:
+            fence = self._acquire(
+                keys=[self.key, self.fence_key], args=[token, _ms(self.ttl), self.owner]
+            )
+            if fence:
+                self.token, self.fence = token, int(fence)
+                waited = time.monotonic() - start
+                metrics.lock_wait_seconds.labels(_family(self.name)).observe(waited)
+                return self.fence
+            now = time.monotonic()
+            if now >= deadline:
+                metrics.lock_not_acquired.labels(_family(self.name)).inc()
+                raise LockNotAcquired(self.name, waited=now - start)
+            time.sleep(min(random.uniform(pause / 2, pause), deadline - now))
+            pause = min(pause * 2, 0.5)
+
+    def release(self) -> None:
+        """Release, only if this token still owns the lock; else ``LockNotOwned``."""
+        token = self._owned_token("release")
+        self.token = None
+        if not self._release(keys=[self.key], args=[token]):
+            self._lost("release", token)
+
+    def extend(self, ttl: float | None = None) -> None:
+        """Set the expiry to ``ttl`` (default: the lock's ttl) from now, if still owned."""
+        token = self._owned_token("extend")
+        seconds = self.ttl if ttl is None else ttl
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
+            raise LockConfigError(
+                self.name,
+                f"Lock {self.name}: cannot extend by {seconds!r}: ttl must be positive seconds",
+            )
+        if not self._extend(keys=[self.key], args=[token, _ms(seconds)]):
+            self.token = None
+            self._lost("extend", token)
+
+    @contextmanager
+    def hold(self, *, wait: float = 0.0) -> Iterator[int]:
+        """``acquire`` on entry (yields the fencing token), ``release`` on exit.
+
+        If the lock expired while held, leaving the block raises ``LockNotOwned``: the
+        work inside ran without the lock for a while, and the caller must know.
+        """
+        fence = self.acquire(wait=wait)
+        try:
+            yield fence
+        finally:
+            if self.token is not None:
+                self.release()
+
+    def _owned_token(self, action: str) -> str:
+        if self.token is None:
+            raise LockNotOwned(self.name, action=action, token=None)
+        return self.token
+
+    def _lost(self, action: str, token: str) -> None:
+        metrics.locks_lost.labels(_family(self.name), action).inc()
+        logger.warning(
+            "lock %s lost before %s",
+            self.name,
+            action,
+            extra={
+                "lock_key": self.name,
+                "owner_token": token,
+                "fencing_token": self.fence,
+                "action": action,
+            },
+        )
+        raise LockNotOwned(self.name, action=action, token=token)
+
+
+def live_locks(client: Any, *, prefix: str = DEFAULT_PREFIX) -> list[LiveLock]:
+    """Every lock currently held, with owner, age and time left (SCAN, not KEYS)."""
+    found = []
+    now_s, now_us = client.time()
+    now_ms = now_s * 1000 + now_us // 1000
+    for raw_key in client.scan_iter(match=f"{prefix}lock:*", count=500, _type="HASH"):
+        key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+        pipe = client.pipeline(transaction=False)
+        pipe.hgetall(key)
+        pipe.pttl(key)
+        info, pttl = pipe.execute()
+        if not info or pttl < 0:
+            continue  # released or expired between SCAN and now
+        info = {k.decode(): v.decode() for k, v in info.items()}
+        found.append(
+            LiveLock(
+                name=key[len(f"{prefix}lock:") :],
+                owner=info.get("owner", ""),
+                fence=int(info.get("fence", 0)),
+                age=max(0.0, (now_ms - int(info.get("acquired_ms", now_ms))) / 1000.0),
+                expires_in=pttl / 1000.0,
+            )
+        )
+    return sorted(found, key=lambda lock: lock.name)
+
+
+def _ms(seconds: float) -> int:
+    # Durations are seconds in the API, milliseconds only at the Redis call.
+    return max(1, int(seconds * 1000))
+
+
+def _family(name: str) -> str:
+    """Metric label: the lock name up to its first ':' ("rebuild" for rebuild:user:1),
+    so a label per entity does not explode the series count."""
+    return name.split(":", 1)[0]
