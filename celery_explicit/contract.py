@@ -29,6 +29,8 @@ SAFE_MARGIN_FACTOR = 2.0
 REQUIRED = ("idempotency_key", "visibility_timeout", "expected_duration", "retry_on", "fail_on")
 
 DEFAULTS: Mapping[str, Any] = {
+    "dedup_key": None,
+    "dedup_window": None,
     "unclassified": Unclassified.PERMANENT,
     "max_attempts": 5,
     "backoff_base": 1.0,
@@ -87,6 +89,14 @@ class Contract:
     #: ``run()``'s signature without ``self``: arguments are bound to it at publish
     #: and again in the worker.
     signature: inspect.Signature
+    #: Explicit dedup of a known message id inside a window (None: not declared).
+    dedup: Dedup | None = None
+
+
+@dataclass(frozen=True)
+class Dedup:
+    key: idempotency.KeyDeclaration
+    window: float
 
 
 def declared_names() -> frozenset[str]:
@@ -201,6 +211,7 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         run_parameters=params,
         run_takes_kwargs=takes_kwargs,
         signature=sig,
+        dedup=_dedup(cls, params, takes_kwargs, refuse),
     )
 
 
@@ -223,12 +234,14 @@ def _refuse_unknown_options(name: str, namespace: Mapping[str, Any], refuse: Ref
             raise refuse(f"unknown option {option!r}{hint}", option)
 
 
-def _key_declaration(cls: type) -> idempotency.KeyDeclaration:
+def _key_declaration(
+    cls: type, attr: str = "idempotency_key", example: str = "'payment:{payment_id}:capture'"
+) -> idempotency.KeyDeclaration:
     # Read through the MRO's __dict__: a function stored on the class would otherwise
     # come back as a bound method and take the task as its first argument.
     for klass in cls.__mro__:
-        if "idempotency_key" in klass.__dict__:
-            raw = klass.__dict__["idempotency_key"]
+        if attr in klass.__dict__:
+            raw = klass.__dict__[attr]
             if isinstance(raw, staticmethod):
                 raw = raw.__func__
             if isinstance(raw, str) or callable(raw):
@@ -236,28 +249,31 @@ def _key_declaration(cls: type) -> idempotency.KeyDeclaration:
             break
     raise ContractError(
         str(getattr(cls, "name", cls.__qualname__)),
-        "idempotency_key must be a template string like "
-        "'payment:{payment_id}:capture' or a callable",
-        field="idempotency_key",
+        f"{attr} must be a template string like {example} or a callable",
+        field=attr,
     )
 
 
 def _check_key_fields(
-    key: idempotency.KeyDeclaration, params: tuple[str, ...], takes_kwargs: bool, refuse: Refuse
+    key: idempotency.KeyDeclaration,
+    params: tuple[str, ...],
+    takes_kwargs: bool,
+    refuse: Refuse,
+    attr: str = "idempotency_key",
 ) -> None:
     if isinstance(key, str):
         if not key.strip():
-            raise refuse("idempotency_key is empty", "idempotency_key")
+            raise refuse(f"{attr} is empty", attr)
         try:
             fields = idempotency.template_fields(key)
         except ValueError as exc:
-            raise refuse(f"idempotency_key {key!r}: {exc}", "idempotency_key") from None
+            raise refuse(f"{attr} {key!r}: {exc}", attr) from None
         if not fields:
             raise refuse(
-                f"idempotency_key {key!r} has no field: every message would "
+                f"{attr} {key!r} has no field: every message would "
                 "share one key; build it from the business identity, e.g. "
                 "'payment:{payment_id}:capture'",
-                "idempotency_key",
+                attr,
             )
     else:
         fields, key_takes_kwargs = idempotency.callable_fields(key)
@@ -266,10 +282,32 @@ def _check_key_fields(
     unknown = [f for f in fields if f not in params]
     if unknown and not takes_kwargs:
         raise refuse(
-            f"idempotency_key field {unknown[0]!r} is not a parameter of run() "
+            f"{attr} field {unknown[0]!r} is not a parameter of run() "
             f"(parameters: {', '.join(params) or 'none'})",
-            "idempotency_key",
+            attr,
         )
+
+
+def _dedup(cls: type, params: tuple[str, ...], takes_kwargs: bool, refuse: Refuse) -> Dedup | None:
+    declared_key = getattr(cls, "dedup_key", None)
+    window = getattr(cls, "dedup_window", None)
+    if declared_key is None:
+        if window is not None:
+            raise refuse(
+                "dedup_window is declared without dedup_key: declare the "
+                "message id to deduplicate on, e.g. dedup_key='{event_id}'",
+                "dedup_window",
+            )
+        return None
+    key = _key_declaration(cls, "dedup_key", "'{event_id}'")
+    _check_key_fields(key, params, takes_kwargs, refuse, "dedup_key")
+    if window is None:
+        raise refuse(
+            "dedup_key is declared without dedup_window: say how long (seconds) "
+            "a second message with the same id is dropped",
+            "dedup_window",
+        )
+    return Dedup(key=key, window=_positive(window, "dedup_window", refuse))
 
 
 def _positive(value: object, field: str, refuse: Refuse) -> float:

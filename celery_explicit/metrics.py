@@ -56,3 +56,9 @@ locks_lost = Counter(
     "Release or extend attempted by a holder whose lock had expired or been taken.",
     ["lock", "action"],
 )
+dedup_dropped = Counter(
+    "explicit_dedup_dropped_total",
+    "Messages dropped because another message owns their dedup id (delivery layer), "
+    "at publish or at delivery.",
+    ["task", "stage"],
+)

@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import traceback as tb
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from celery_explicit import contract as contract_mod
+from celery_explicit import dedup as dedup_mod
 from celery_explicit import idempotency, metrics
 from celery_explicit.errors import BadInput, ExplicitError, IdempotencyConflict
 from celery_explicit.retry_policy import Classification
@@ -59,6 +61,7 @@ class Execution:
     correlation_id: str
     outcome: Outcome | None = None
     external_request_id: str = ""
+    dedup_id: str = ""
     #: An effect block committed this attempt's row (a later record updates it).
     effect_row_written: bool = False
     recorded: bool = False
@@ -83,6 +86,8 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
     expected_duration: ClassVar[float | None] = None
     retry_on: ClassVar[tuple[type[BaseException], ...] | None] = None
     fail_on: ClassVar[tuple[type[BaseException], ...] | None] = None
+    dedup_key: ClassVar[idempotency.KeyDeclaration | None] = None
+    dedup_window: ClassVar[float | None] = None
     unclassified: ClassVar[str] = "permanent"
     max_attempts: ClassVar[int] = 5
     backoff_base: ClassVar[float] = 1.0
@@ -128,6 +133,25 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         _arguments, given = self.bind_arguments(tuple(args or ()), dict(kwargs or {}))
         key = idempotency.render_key(self.name, self.contract.idempotency_key, given)
         headers = dict(options.pop("headers", None) or {})
+        dedup = self.contract.dedup
+        if dedup is not None and idempotency.REPLAY_HEADER not in headers:
+            task_id = task_id or str(uuid.uuid4())
+            dedup_id = idempotency.render_key(self.name, dedup.key, given)
+            owner = dedup_mod.claim(self.name, dedup_id, task_id, window=dedup.window)
+            if owner != task_id:
+                # Dropped: nothing is published; the caller gets the first message's
+                # result handle.
+                metrics.dedup_dropped.labels(self.name, "publish").inc()
+                logger.info(
+                    "dedup: message dropped at publish",
+                    extra={
+                        "task": self.name,
+                        "dedup_id": dedup_id,
+                        "job_id": owner,
+                        "layer": "delivery",
+                    },
+                )
+                return self.AsyncResult(owner)
         headers[idempotency.KEY_HEADER] = key
         if idempotency.CORRELATION_HEADER not in headers:
             parent = current_task.request if current_task else None
@@ -180,6 +204,9 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             )
             raise
 
+        if self.contract.dedup is not None and not self._claim_dedup(execution, request):
+            return None
+
         try:
             result = super().__call__(*args, **kwargs)
         except Retry:
@@ -206,6 +233,29 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         if not execution.recorded:
             self._audit(execution, "SUCCEEDED")
         return result
+
+    def _claim_dedup(self, execution: Execution, request: Any) -> bool:
+        """Delivery-side dedup: False (and recorded) when another message owns the id."""
+        import redis
+
+        dedup = self.contract.dedup
+        assert dedup is not None
+        if getattr(request, idempotency.REPLAY_HEADER, None) is not None:
+            return True  # an operator's replay is deliberate
+        dedup_id = execution.dedup_id
+        try:
+            owner = dedup_mod.claim(self.name, dedup_id, execution.task_id, window=dedup.window)
+        except redis.RedisError as exc:
+            # Cannot tell whether it is a duplicate: keep the message, try again later.
+            self._audit(execution, "RETRY_SCHEDULED", exc=exc)
+            raise self.retry(exc=exc, countdown=_rng.uniform(1.0, 5.0), max_retries=None) from exc
+        if owner == execution.task_id:
+            return True
+        metrics.dedup_dropped.labels(self.name, "delivery").inc()
+        self._audit(
+            execution, "DEDUPLICATED", note=f"dedup id {dedup_id!r} is owned by job {owner}"
+        )
+        return False
 
     def _begin(
         self,
@@ -236,6 +286,8 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 or ""
             ),
         )
+        if self.contract.dedup is not None:
+            execution.dedup_id = idempotency.render_key(self.name, self.contract.dedup.key, given)
         request.explicit = execution
         return execution
 
@@ -340,6 +392,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         *,
         exc: BaseException | None = None,
         retry_delay: float | None = None,
+        note: str = "",
     ) -> dict[str, Any]:
         from django_outbox import audit
 
@@ -356,7 +409,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             finished_at=timezone.now(),
             outcome=outcome,
             error_class=_qualname(exc) if exc else "",
-            error_message=str(exc)[:4000] if exc else "",
+            error_message=str(exc)[:4000] if exc else note,
             retry_delay=retry_delay,
             correlation_id=execution.correlation_id,
             external_request_id=execution.external_request_id,
@@ -370,13 +423,16 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         *,
         exc: BaseException | None = None,
         retry_delay: float | None = None,
+        note: str = "",
     ) -> None:
         """Record how the attempt ended, when no effect block recorded it already."""
         from django_outbox import audit
         from django_outbox.models import Outcome
 
         outcome = Outcome[outcome_name]
-        fields = self._attempt_fields(execution, outcome, exc=exc, retry_delay=retry_delay)
+        fields = self._attempt_fields(
+            execution, outcome, exc=exc, retry_delay=retry_delay, note=note
+        )
         # An effect block may have committed this attempt's row before the handler
         # failed: update it rather than add a second row for one attempt.
         audit.record_attempt(fields, replace=execution.effect_row_written)

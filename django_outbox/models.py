@@ -26,6 +26,7 @@ class Outcome(models.TextChoices):
     EXHAUSTED = "exhausted", "failed: attempts exhausted"
     BAD_INPUT = "bad_input", "bad input"
     CONFLICT = "conflict", "idempotency conflict (other arguments)"
+    DEDUPLICATED = "deduplicated", "dropped: another message owns its dedup id"
 
 
 class DeadLetterReason(models.TextChoices):

@@ -160,6 +160,45 @@ def note(name: str, request_id: str = "") -> None:
         Counter.objects.filter(name=name).update(value=F("value") + 1)
 
 
+class RecordEvent(ExplicitTask):
+    """An upstream event: dedup by its id for a window, effect once by the counter op."""
+
+    name = "tests.record_event"
+    idempotency_key = "event:{event_id}:count:{name}"
+    dedup_key = "{event_id}"
+    dedup_window = 30
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = (TransientError,)
+    fail_on = ()
+    backoff_base = 0.05
+    backoff_cap = 0.1
+
+    def run(self, event_id: str, name: str, fail_first: bool = False) -> None:
+        if fail_first and self.request.retries == 0:
+            raise TransientError("first delivery fails; the retry keeps its dedup claim")
+        with self.effect() as eff:
+            if eff.done:
+                return
+            Counter.objects.filter(name=name).update(value=F("value") + 1)
+
+
+class ShortDedup(ExplicitTask):
+    name = "tests.short_dedup"
+    idempotency_key = "short:{event_id}"
+    dedup_key = "{event_id}"
+    dedup_window = 0.3
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, event_id: str) -> None:
+        return None
+
+
+app.register_task(RecordEvent())
+app.register_task(ShortDedup())
 app.register_task(Increment())
 app.register_task(AlwaysTransient())
 app.register_task(Throttled())

@@ -209,3 +209,18 @@ def test_decorator_form_with_bind_checks_parameters_after_self() -> None:
         return None
 
     assert bound.contract.run_parameters == ("invoice_id",)
+
+
+def test_dedup_declaration_is_checked_against_run() -> None:
+    task = define(dedup_key="{payment_id}", dedup_window=600)
+    assert task.contract.dedup is not None
+    assert task.contract.dedup.window == 600.0
+    with pytest.raises(ContractError, match="dedup_key field 'event_id' is not a parameter"):
+        define(dedup_key="{event_id}", dedup_window=600)
+    with pytest.raises(ContractError, match="dedup_key is declared without dedup_window"):
+        define(dedup_key="{payment_id}")
+    with pytest.raises(ContractError, match="dedup_window is declared without dedup_key"):
+        define(dedup_window=60)
+    with pytest.raises(ContractError, match="dedup_window=0 must be a positive number"):
+        define(dedup_key="{payment_id}", dedup_window=0)
+    assert define().contract.dedup is None
