@@ -62,3 +62,13 @@ dedup_dropped = Counter(
     "at publish or at delivery.",
     ["task", "stage"],
 )
+lease_extensions = Counter(
+    "explicit_lease_extensions_total",
+    "Times a held message's lease (per-task visibility timeout) was moved forward.",
+    ["task"],
+)
+lease_not_extended = Counter(
+    "explicit_lease_not_extended_total",
+    "Leases deliberately left to run out, by reason (a stopped pool child).",
+    ["task", "reason"],
+)

@@ -107,9 +107,10 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
     def on_bound(cls, app: Any) -> None:
         # Messages that never reach a task (an undecodable body) are dead-lettered by
         # a consumer step; every app running an ExplicitTask gets it.
-        from celery_explicit import worker_steps
+        from celery_explicit import lease, worker_steps
 
         worker_steps.install(app)
+        lease.install(app)
         super().on_bound(app)
 
     # --- publishing ---------------------------------------------------------------

@@ -10,6 +10,8 @@
 - E005 the ledger database cannot do ``INSERT ... ON CONFLICT DO NOTHING RETURNING``
 - W001 a task's retry delay can outlast the Redis visibility timeout: a retry waiting
   in a worker (an ETA message) would be redelivered to another one meanwhile
+- W002 kombu's restore sweep runs less often than a task's lease: a dead worker's job
+  waits for the sweep, not for its own lease
 """
 
 from __future__ import annotations
@@ -131,6 +133,23 @@ def _check_visibility(app: Any, tasks: list[Any]) -> list[checks.CheckMessage]:
     if backstop is None:
         return []
     messages: list[checks.CheckMessage] = []
+    options = app.conf.broker_transport_options or {}
+    # kombu's defaults: a sweep every 10 s, scanning on every 10th (celery_explicit.lease).
+    sweep = float(options.get("unacked_restore_interval", 10)) * float(
+        options.get("unacked_restore_throttle", 10)
+    )
+    shortest = min((t.contract.visibility_timeout for t in tasks), default=None)
+    if shortest is not None and sweep > shortest:
+        messages.append(
+            checks.Warning(
+                f"the Redis transport looks for expired leases every {sweep:g}s, longer than "
+                f"the shortest task lease ({shortest:g}s): a dead worker's job waits for the "
+                "sweep, not for its own visibility_timeout",
+                hint="Set broker_transport_options unacked_restore_interval=1 and "
+                "unacked_restore_throttle=1.",
+                id="django_outbox.W002",
+            )
+        )
     for task in sorted(tasks, key=lambda t: t.name):
         contract = task.contract
         if contract.visibility_timeout > backstop:

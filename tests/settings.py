@@ -57,6 +57,13 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_SERIALIZER = "json"
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# The global visibility timeout is only the backstop (>= every task's lease: E003);
+# each ExplicitTask's own lease governs its message, checked by a sweep every second.
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": 60,
+    "unacked_restore_interval": 1,
+    "unacked_restore_throttle": 1,
+}
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 EXPLICIT_CELERY_APP = "tests.celery_app.app"

@@ -23,6 +23,16 @@ def conf() -> Iterator[Any]:
         app.conf[key] = value
 
 
+FAST_SWEEP = {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+
+
+def test_a_slow_restore_sweep_is_a_warning(conf: Any) -> None:
+    conf.broker_transport_options = {"visibility_timeout": 60}  # kombu's 10 s x 10
+    found = checks.check_celery_configuration()
+    assert ids(found) == ["django_outbox.W002"]
+    assert "every 100s, longer than the shortest task lease (2s)" in found[0].msg
+
+
 def ids(messages: list[Any]) -> list[str]:
     return sorted(m.id for m in messages)
 
@@ -33,7 +43,7 @@ def test_clean_configuration_has_no_findings(conf: Any) -> None:
 
 
 def test_broker_visibility_shorter_than_a_task_lease_is_an_error(conf: Any) -> None:
-    conf.broker_transport_options = {"visibility_timeout": 25}
+    conf.broker_transport_options = {**FAST_SWEEP, "visibility_timeout": 25}
     found = checks.check_celery_configuration()
     errors = [m for m in found if m.id == "django_outbox.E003"]
     # tests.increment and friends declare 30 s; tests.note declares 20 s.
@@ -46,7 +56,7 @@ def test_broker_visibility_shorter_than_a_task_lease_is_an_error(conf: Any) -> N
 
 
 def test_backoff_cap_longer_than_the_backstop_is_a_warning(conf: Any) -> None:
-    conf.broker_transport_options = {"visibility_timeout": 45}
+    conf.broker_transport_options = {**FAST_SWEEP, "visibility_timeout": 45}
     found = checks.check_celery_configuration()
     assert ids(found) == ["django_outbox.W001"] * len(found)
     assert {m.obj for m in found} >= {"tests.increment"}  # backoff_cap 60 s by default

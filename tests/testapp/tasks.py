@@ -197,6 +197,30 @@ class ShortDedup(ExplicitTask):
         return None
 
 
+class SlowShip(ExplicitTask):
+    """The article's ShipOrder: a slow downstream, far longer than the lease."""
+
+    name = "tests.slow_ship"
+    idempotency_key = "order:{order_id}:ship"
+    visibility_timeout = 2
+    expected_duration = 1
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, order_id: str, name: str, seconds: float) -> None:
+        import redis
+        from django.conf import settings
+
+        # Every execution leaves its worker's pid, before anything else happens.
+        redis.Redis.from_url(settings.REDIS_URL).rpush(f"ran:{order_id}", os.getppid())
+        time.sleep(seconds)  # the warehouse takes its time
+        with self.effect() as eff:
+            if eff.done:
+                return
+            Counter.objects.filter(name=name).update(value=F("value") + 1)
+
+
+app.register_task(SlowShip())
 app.register_task(RecordEvent())
 app.register_task(ShortDedup())
 app.register_task(Increment())

@@ -1,0 +1,176 @@
+"""The visibility timeout belongs to the task: a lease on its message, kept while alive.
+
+Celery's Redis transport has one global visibility timeout (celery#9349): a message
+unacknowledged for longer is handed to another worker, so an ``acks_late`` task longer
+than it runs twice (celery#5935), while a dead worker's message waits the whole global
+timeout (default 1 h) before anyone runs it.
+
+kombu keeps each unacknowledged message in the sorted set ``unacked_index``, scored by
+delivery time; its periodic sweep (``restore_visible``) puts back every entry scored
+below ``now - visibility_timeout``. Scoring an entry ``now + T - visibility_timeout``
+therefore makes that message visible again ``T`` seconds from now. The worker's main
+process does that every ``T / 4`` for each message it holds, with ``T`` the task's own
+``visibility_timeout``:
+
+- while the handler is alive the deadline keeps moving: a long but healthy task is
+  never redelivered, however long it runs;
+- when the worker dies the deadline stops moving: the job is visible again after ``T``
+  plus one sweep (``unacked_restore_interval``), not after the global timeout;
+- a pool child that is stopped (SIGSTOP, ``T`` state in /proc) is not extended: its
+  lease runs out like a dead worker's.
+
+Each extension is one ``ZADD XX`` (the entry must still exist: an acked message is not
+resurrected) plus the lease record an operator reads: ``{prefix}lease:{task_id}``, a
+hash with owner (host:pid), deadline, extensions and the delivery tag, expiring with
+the lease. The global ``visibility_timeout`` stays as the backstop and must be longer
+than every task's lease (``manage.py check``: django_outbox.E003).
+
+Redis broker only; on RabbitMQ the broker redelivers on connection loss, not on time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from celery import bootsteps
+
+from celery_explicit import metrics
+
+logger = logging.getLogger("celery_explicit.lease")
+
+DEFAULT_PREFIX = "explicit:"
+#: Extend every lease at this fraction of its timeout.
+HEARTBEAT_FRACTION = 0.25
+#: Test and incident switch: set to "0" to stop extending (leases then run out).
+EXTEND_ENV = "EXPLICIT_LEASE_EXTEND"
+
+# KEYS[1] - kombu's unacked_index sorted set
+# KEYS[2] - the lease record (hash)
+# ARGV[1] - delivery tag
+# ARGV[2] - new score: deadline - global visibility timeout (seconds, float)
+# ARGV[3] - lease length in milliseconds (the record's TTL)
+# ARGV[4] - owner (host:pid of the pool child, or of the worker before it starts)
+# ARGV[5] - deadline in milliseconds since the epoch
+# return 1 if the message is still unacknowledged and its lease was moved, otherwise 0
+EXTEND = """
+if not redis.call('zscore', KEYS[1], ARGV[1]) then
+    redis.call('del', KEYS[2])
+    return 0
+end
+redis.call('zadd', KEYS[1], 'XX', ARGV[2], ARGV[1])
+redis.call('hset', KEYS[2], 'owner', ARGV[4], 'deadline_ms', ARGV[5], 'tag', ARGV[1])
+redis.call('hincrby', KEYS[2], 'extensions', 1)
+redis.call('pexpire', KEYS[2], ARGV[3])
+return 1
+"""
+
+
+def lease_key(task_id: str, *, prefix: str = DEFAULT_PREFIX) -> str:
+    return f"{prefix}lease:{task_id}"
+
+
+def child_is_stopped(pid: int | None) -> bool:
+    """True when the pool child is stopped (SIGSTOP, a debugger): /proc state T or t."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # Format: pid (comm) state ...; comm may hold spaces, so split after ')'.
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"T", b"t")
+
+
+class LeaseKeeper(bootsteps.StartStopStep):
+    """Consumer step: moves each held ExplicitTask message's deadline forward."""
+
+    label = "celery_explicit: per-task visibility leases"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self._tref: Any = None
+        self._script: Any = None
+        self._host = socket.gethostname()
+        self._leased: set[str] = set()
+
+    def start(self, parent: Any) -> None:
+        channel = parent.connection.default_channel
+        if getattr(parent.connection.transport, "driver_type", "") != "redis":
+            return
+        from celery_explicit.task import ExplicitTask
+
+        leases = [
+            t.contract.visibility_timeout
+            for t in parent.app.tasks.values()
+            if isinstance(t, ExplicitTask)
+        ]
+        if not leases:
+            return
+        interval = max(0.2, min(10.0, min(leases) * HEARTBEAT_FRACTION))
+        # Script objects run on the client passed at call time; never on
+        # channel.client itself, whose connection may be blocked in BRPOP.
+        self._script = channel.client.register_script(EXTEND)
+        self._tref = parent.timer.call_repeatedly(interval, self.tick, (parent,))
+
+    def stop(self, parent: Any) -> None:
+        if self._tref is not None:
+            self._tref.cancel()
+            self._tref = None
+
+    def tick(self, parent: Any) -> None:
+        from celery.worker import state
+
+        channel = parent.connection.default_channel
+        try:
+            # A pooled connection, never channel.client's own: that one may be blocked
+            # in BRPOP, and a reply read by the wrong reader stops the worker.
+            with channel.conn_or_acquire() as client:
+                self._extend_all(channel, client, list(state.reserved_requests))
+        except channel.connection_errors:
+            logger.warning("could not extend leases: broker connection lost")
+
+    def _extend_all(self, channel: Any, client: Any, reserved: list[Any]) -> None:
+        from celery_explicit.task import ExplicitTask
+
+        backstop = float(channel.visibility_timeout)
+        now = time.time()
+        extend = os.environ.get(EXTEND_ENV) != "0"
+        held = set()
+        for request in reserved:
+            task = request.task
+            if not isinstance(task, ExplicitTask):
+                continue
+            held.add(request.id)
+            if not extend and request.id in self._leased:
+                continue  # switched off: each message gets its lease once, never more
+            pid = request.worker_pid
+            if child_is_stopped(pid):
+                metrics.lease_not_extended.labels(task.name, "child_stopped").inc()
+                continue
+            lease = task.contract.visibility_timeout
+            deadline = now + lease
+            moved = self._script(
+                keys=[channel.unacked_index_key, lease_key(request.id)],
+                args=[
+                    request.message.delivery_tag,
+                    deadline - backstop,
+                    int(lease * 1000),
+                    f"{self._host}:{pid or os.getpid()}",
+                    int(deadline * 1000),
+                ],
+                client=client,
+            )
+            if moved:
+                self._leased.add(request.id)
+                metrics.lease_extensions.labels(task.name).inc()
+        self._leased &= held
+
+
+def install(app: Any) -> None:
+    app.steps["consumer"].add(LeaseKeeper)

@@ -1,0 +1,83 @@
+"""The visibility timeout belongs to the task (Redis broker), with real workers.
+
+SlowShip declares a 2 s lease and runs 6 s: the article's incident (a 45 s job under a
+30 s timeout), scaled down. The global visibility timeout is 60 s, swept every second.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+
+from django_outbox.models import Attempt, Outcome
+from tests.testapp.models import Counter
+from tests.testapp.tasks import SlowShip
+from tests.workers import wait_for
+
+pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+
+JOBS = 3
+
+
+def ran(redis_client, order_id: str) -> list[int]:
+    return [int(pid) for pid in redis_client.lrange(f"ran:{order_id}", 0, -1)]
+
+
+def publish(queue: str, seconds: float, jobs: int = JOBS) -> list[str]:
+    orders = [uuid.uuid4().hex[:8] for _ in range(jobs)]
+    for order in orders:
+        Counter.objects.create(name=order)
+        SlowShip().apply_async(args=[order, order, seconds], queue=queue)
+    return orders
+
+
+def test_a_job_three_times_its_lease_runs_once_while_alive(start_worker, queue,
+                                                           redis_client) -> None:
+    start_worker(concurrency=JOBS)
+    start_worker(concurrency=JOBS)
+    orders = publish(queue, seconds=6.0)
+    wait_for(lambda: Attempt.objects.count() >= JOBS, timeout=40, what="every job done")
+    time.sleep(2.5)  # a lease past its deadline would have been restored by now
+    assert [len(ran(redis_client, o)) for o in orders] == [1] * JOBS  # zero redeliveries
+    assert Attempt.objects.filter(outcome=Outcome.APPLIED).count() == JOBS
+    assert not Attempt.objects.filter(redelivered=True).exists()
+
+
+def test_negative_control_without_extension_the_job_is_redelivered(start_worker, queue,
+                                                                   redis_client) -> None:
+    no_extend = {"EXPLICIT_LEASE_EXTEND": "0"}
+    start_worker(concurrency=JOBS, extra_env=no_extend)
+    start_worker(concurrency=JOBS, extra_env=no_extend)
+    orders = publish(queue, seconds=6.0)
+    wait_for(lambda: all(len(ran(redis_client, o)) >= 2 for o in orders), timeout=40,
+             what="every job handed to a second execution")
+    # The ledger still keeps the effect single, which is why redelivery alone is not
+    # the bug; running the handler twice (and calling the warehouse twice) is.
+    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).count() == JOBS,
+             timeout=40, what="effects applied")
+    assert {Counter.objects.get(name=o).value for o in orders} == {1}
+
+
+def test_a_killed_worker_s_job_runs_again_within_its_own_lease(start_worker, queue,
+                                                                redis_client) -> None:
+    a = start_worker(concurrency=2)
+    (order,) = publish(queue, seconds=4.0, jobs=1)
+    wait_for(lambda: ran(redis_client, order), timeout=20, what="the job to start")
+    assert ran(redis_client, order) == [a.process.pid]
+    b = start_worker(concurrency=2)
+    killed_at = time.monotonic()
+    os.killpg(a.process.pid, signal.SIGKILL)  # the whole worker, children included
+    wait_for(lambda: len(ran(redis_client, order)) == 2, timeout=30,
+             what="the job to run again")
+    rerun_after = time.monotonic() - killed_at
+    assert ran(redis_client, order)[1] == b.process.pid
+    # Its 2 s lease plus one 1 s sweep (and a heartbeat), not the 60 s global timeout.
+    assert rerun_after < 10.0
+    wait_for(lambda: Attempt.objects.filter(idempotency_key=f"order:{order}:ship",
+                                            outcome=Outcome.APPLIED).exists(),
+             timeout=20, what="the effect")
+    assert Counter.objects.get(name=order).value == 1
