@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -125,14 +126,15 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         return ContractError(name, message, field=field)
 
     _refuse_unknown_options(name, namespace, refuse)
+    # Checked along the MRO: an abstract base must not smuggle them in either.
     for option, hint in REFUSED_CELERY_OPTIONS.items():
-        if option in namespace:
+        if any(option in k.__dict__ for k in cls.__mro__ if not _is_celery_class(k)):
             raise refuse(f"option {option!r} is not used by ExplicitTask: {hint}", option)
     for option, (value, why) in FIXED_CELERY_OPTIONS.items():
-        if option in namespace and namespace[option] != value:
+        actual = getattr(cls, option, value)
+        if actual != value:
             raise refuse(
-                f"{option}={namespace[option]!r} is refused; ExplicitTask needs "
-                f"{option}={value!r}: {why}",
+                f"{option}={actual!r} is refused; ExplicitTask needs {option}={value!r}: {why}",
                 option,
             )
 
@@ -149,11 +151,11 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
     params = tuple(
         p.name
         for p in sig.parameters.values()
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     )
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
 
-    key = _key_declaration(cls)
+    key = _key_declaration(cls, task_name=name)
     _check_key_fields(key, params, takes_kwargs, refuse)
 
     visibility = _positive(declared["visibility_timeout"], "visibility_timeout", refuse)
@@ -235,7 +237,11 @@ def _refuse_unknown_options(name: str, namespace: Mapping[str, Any], refuse: Ref
 
 
 def _key_declaration(
-    cls: type, attr: str = "idempotency_key", example: str = "'payment:{payment_id}:capture'"
+    cls: type,
+    attr: str = "idempotency_key",
+    example: str = "'payment:{payment_id}:capture'",
+    *,
+    task_name: str = "",
 ) -> idempotency.KeyDeclaration:
     # Read through the MRO's __dict__: a function stored on the class would otherwise
     # come back as a bound method and take the task as its first argument.
@@ -248,7 +254,7 @@ def _key_declaration(
                 return raw  # type: ignore[no-any-return]
             break
     raise ContractError(
-        str(getattr(cls, "name", cls.__qualname__)),
+        task_name or f"{cls.__module__}.{cls.__qualname__}",
         f"{attr} must be a template string like {example} or a callable",
         field=attr,
     )
@@ -279,6 +285,12 @@ def _check_key_fields(
         fields, key_takes_kwargs = idempotency.callable_fields(key)
         if key_takes_kwargs and not fields:
             return
+        if not fields:
+            raise refuse(
+                f"{attr} callable takes no parameter: every message would share one key; "
+                "take the run() parameters that identify the operation",
+                attr,
+            )
     unknown = [f for f in fields if f not in params]
     if unknown and not takes_kwargs:
         raise refuse(
@@ -299,7 +311,7 @@ def _dedup(cls: type, params: tuple[str, ...], takes_kwargs: bool, refuse: Refus
                 "dedup_window",
             )
         return None
-    key = _key_declaration(cls, "dedup_key", "'{event_id}'")
+    key = _key_declaration(cls, "dedup_key", "'{event_id}'", task_name=_task_name(cls))
     _check_key_fields(key, params, takes_kwargs, refuse, "dedup_key")
     if window is None:
         raise refuse(
@@ -311,9 +323,22 @@ def _dedup(cls: type, params: tuple[str, ...], takes_kwargs: bool, refuse: Refus
 
 
 def _positive(value: object, field: str, refuse: Refuse) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise refuse(f"{field}={value!r} must be a positive number of seconds", field)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise refuse(f"{field}={value!r} must be a positive, finite number of seconds", field)
     return float(value)
+
+
+def _task_name(cls: type) -> str:
+    return str(getattr(cls, "name", None) or f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _is_celery_class(klass: type) -> bool:
+    return klass.__module__.startswith("celery.") or klass is object
 
 
 def _exception_classes(

@@ -35,6 +35,16 @@ redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return ARGV[1]
 """
 
+# KEYS[1] - the dedup mark
+# ARGV[1] - the task id that claimed it
+# return 1 if this task's claim was removed, otherwise 0 (someone else's claim stays)
+RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+    return redis.call('del', KEYS[1])
+end
+return 0
+"""
+
 _clients: dict[str, Any] = {}
 _clients_lock = threading.Lock()
 
@@ -63,3 +73,11 @@ def claim(
     conn = redis_client or client()
     owner = conn.eval(CLAIM, 1, mark_key(task_name, dedup_id), task_id, max(1, int(window * 1000)))
     return owner.decode() if isinstance(owner, bytes) else str(owner)
+
+
+def release(
+    task_name: str, dedup_id: str, task_id: str, *, redis_client: Any | None = None
+) -> bool:
+    """Give back a claim whose message was never published (compare-and-delete)."""
+    conn = redis_client or client()
+    return bool(conn.eval(RELEASE, 1, mark_key(task_name, dedup_id), task_id))

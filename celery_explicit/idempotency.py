@@ -55,7 +55,13 @@ def callable_fields(key: Callable[..., str]) -> tuple[list[str], bool]:
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
-def render_key(task_name: str, declaration: KeyDeclaration, given: Mapping[str, Any]) -> str:
+def render_key(
+    task_name: str,
+    declaration: KeyDeclaration,
+    given: Mapping[str, Any],
+    *,
+    label: str = "idempotency key",
+) -> str:
     """Render the key from the arguments the caller *gave* (defaults are not identity).
 
     Raises ``BadInput`` naming the task and the field when a field is missing or None:
@@ -64,42 +70,34 @@ def render_key(task_name: str, declaration: KeyDeclaration, given: Mapping[str, 
     if callable(declaration):
         names, takes_kwargs = callable_fields(declaration)
         wanted = given if takes_kwargs else {n: given[n] for n in names if n in given}
-        missing = [n for n in names if n not in given]
-        if missing and not takes_kwargs:
-            raise BadInput(
-                task_name, f"idempotency key field {missing[0]!r} is missing from the arguments"
-            )
+        for name in names:
+            if name not in given and not takes_kwargs:
+                raise BadInput(task_name, f"{label} field {name!r} is missing from the arguments")
+            if given.get(name, "") is None:
+                raise BadInput(task_name, f"{label} field {name!r} is None")
         try:
             key = declaration(**wanted)
-        except (KeyError, AttributeError, TypeError, ValueError) as exc:
-            raise BadInput(task_name, f"idempotency key callable failed: {exc!r}") from exc
+        except Exception as exc:  # the user's callable: any failure is this message's input
+            raise BadInput(task_name, f"{label} callable failed: {exc!r}") from exc
         if not isinstance(key, str) or not key:
-            raise BadInput(
-                task_name, f"idempotency key callable returned {key!r}, not a non-empty string"
-            )
+            raise BadInput(task_name, f"{label} callable returned {key!r}, not a non-empty string")
     else:
         for field in template_fields(declaration):
             if field not in given:
                 raise BadInput(
                     task_name,
-                    f"idempotency key field {field!r} is missing "
-                    f"from the arguments (key {declaration!r})",
+                    f"{label} field {field!r} is missing from the arguments (key {declaration!r})",
                 )
             if given[field] is None:
-                raise BadInput(
-                    task_name, f"idempotency key field {field!r} is None (key {declaration!r})"
-                )
+                raise BadInput(task_name, f"{label} field {field!r} is None (key {declaration!r})")
         try:
             key = declaration.format(**given)
-        except (KeyError, AttributeError, IndexError, ValueError) as exc:
-            raise BadInput(
-                task_name, f"cannot render idempotency key {declaration!r}: {exc!r}"
-            ) from exc
+        except Exception as exc:  # {order[id]} on a list, {n[0]} on an int, ...
+            raise BadInput(task_name, f"cannot render {label} {declaration!r}: {exc!r}") from exc
     if len(key) > MAX_KEY_LENGTH:
         raise BadInput(
             task_name,
-            f"idempotency key is {len(key)} characters, "
-            f"longer than {MAX_KEY_LENGTH}: {key[:40]!r}...",
+            f"{label} is {len(key)} characters, longer than {MAX_KEY_LENGTH}: {key[:40]!r}...",
         )
     return key
 

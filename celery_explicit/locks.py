@@ -25,7 +25,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,9 +166,15 @@ class LeaseLock:
         fence = self.acquire(wait=wait)
         try:
             yield fence
-        finally:
+        except BaseException:
+            # The block's own error wins: a lost lock is logged and counted, not raised
+            # over it (a retryable error must stay retryable).
             if self.token is not None:
-                self.release()
+                with suppress(LockNotOwned):
+                    self.release()
+            raise
+        if self.token is not None:
+            self.release()
 
     def _owned_token(self, action: str) -> str:
         if self.token is None:

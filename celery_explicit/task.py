@@ -28,7 +28,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task, current_task
-from celery.exceptions import InvalidTaskError, Retry
+from celery.exceptions import InvalidTaskError, Reject, Retry
 from celery.worker.request import Request
 from django.db import DatabaseError
 from django.utils import timezone
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from django_outbox.models import DeadLetterReason, Outcome
 
 logger = logging.getLogger("celery_explicit")
+#: apply_async option marking a retry's re-publish (popped before Celery sees it).
+_RETRY_OPTION = "_explicit_retry"
 _rng = random.SystemRandom()
 
 
@@ -131,13 +133,33 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         The key travels from the moment of publishing, so a consumer, a log line or a
         downstream sees the same key the ledger will use.
         """
+        headers = dict(options.pop("headers", None) or {})
+        if options.pop(_RETRY_OPTION, False):
+            # Re-publishing this job for a retry: its arguments were bound and its key
+            # rendered when it started, and it keeps its dedup claim (same task id).
+            # Nothing here may fail, or Celery would drop the message (Reject).
+            running = getattr(self.request, "explicit", None)
+            if isinstance(running, Execution):
+                headers[idempotency.KEY_HEADER] = running.key
+                headers.setdefault(idempotency.CORRELATION_HEADER, running.correlation_id)
+            return super().apply_async(
+                args,
+                kwargs,
+                task_id,
+                producer,
+                link,
+                link_error,
+                shadow,
+                headers=headers,
+                **options,
+            )
         _arguments, given = self.bind_arguments(tuple(args or ()), dict(kwargs or {}))
         key = idempotency.render_key(self.name, self.contract.idempotency_key, given)
-        headers = dict(options.pop("headers", None) or {})
         dedup = self.contract.dedup
+        dedup_claim: tuple[str, str] | None = None
         if dedup is not None and idempotency.REPLAY_HEADER not in headers:
             task_id = task_id or str(uuid.uuid4())
-            dedup_id = idempotency.render_key(self.name, dedup.key, given)
+            dedup_id = idempotency.render_key(self.name, dedup.key, given, label="dedup key")
             owner = dedup_mod.claim(self.name, dedup_id, task_id, window=dedup.window)
             if owner != task_id:
                 # Dropped: nothing is published; the caller gets the first message's
@@ -153,15 +175,51 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                     },
                 )
                 return self.AsyncResult(owner)
+            dedup_claim = (dedup_id, task_id)
         headers[idempotency.KEY_HEADER] = key
         if idempotency.CORRELATION_HEADER not in headers:
             parent = current_task.request if current_task else None
             correlation = getattr(parent, idempotency.CORRELATION_HEADER, None) if parent else None
             if correlation:
                 headers[idempotency.CORRELATION_HEADER] = correlation
-        return super().apply_async(
-            args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
-        )
+        try:
+            return super().apply_async(
+                args,
+                kwargs,
+                task_id,
+                producer,
+                link,
+                link_error,
+                shadow,
+                headers=headers,
+                **options,
+            )
+        except BaseException:
+            if dedup_claim is not None:
+                # Nothing was published: give the id back, or every resend inside the
+                # window would be dropped in favour of a job that does not exist.
+                dedup_mod.release(self.name, *dedup_claim)
+            raise
+
+    def _retry(self, exc: Exception, countdown: float) -> Retry:
+        """``self.retry`` that cannot lose the message.
+
+        Celery turns a failed re-publish into ``Reject(requeue=False)``: the message
+        would be dropped. Requeue it instead (it runs again at once rather than after
+        its backoff, but it is not lost), and skip re-validation on the re-publish.
+        """
+        options: dict[str, Any] = {_RETRY_OPTION: True}
+        try:
+            retry: Retry = self.retry(exc=exc, countdown=countdown, max_retries=None, **options)
+        except Reject as reject:
+            if getattr(reject, "requeue", False):
+                raise
+            logger.error(
+                "retry could not be published; requeueing the message",
+                extra={"task": self.name, "job_id": self.request.id},
+            )
+            raise Reject(getattr(reject, "reason", None), requeue=True) from exc
+        return retry
 
     def bind_arguments(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -232,7 +290,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             self._handle_error(execution, request, args, kwargs, exc, started=started)
             raise
         if not execution.recorded:
-            self._audit(execution, "SUCCEEDED")
+            self._audit(execution, execution.outcome.name if execution.outcome else "SUCCEEDED")
         return result
 
     def _claim_dedup(self, execution: Execution, request: Any) -> bool:
@@ -249,7 +307,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         except redis.RedisError as exc:
             # Cannot tell whether it is a duplicate: keep the message, try again later.
             self._audit(execution, "RETRY_SCHEDULED", exc=exc)
-            raise self.retry(exc=exc, countdown=_rng.uniform(1.0, 5.0), max_retries=None) from exc
+            raise self._retry(exc, _rng.uniform(1.0, 5.0)) from exc
         if owner == execution.task_id:
             return True
         metrics.dedup_dropped.labels(self.name, "delivery").inc()
@@ -288,7 +346,9 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             ),
         )
         if self.contract.dedup is not None:
-            execution.dedup_id = idempotency.render_key(self.name, self.contract.dedup.key, given)
+            execution.dedup_id = idempotency.render_key(
+                self.name, self.contract.dedup.key, given, label="dedup key"
+            )
         request.explicit = execution
         return execution
 
@@ -310,7 +370,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 metrics.retries_scheduled.labels(self.name, type(exc).__name__).inc()
                 self._audit(execution, "RETRY_SCHEDULED", exc=exc, retry_delay=delay)
                 # max_retries=None: we count attempts ourselves (max_attempts).
-                raise self.retry(exc=exc, countdown=delay, max_retries=None)
+                raise self._retry(exc, delay)
             outcome, reason = "EXHAUSTED", "EXHAUSTED"
         elif kind is Classification.UNCLASSIFIED:
             outcome, reason = "FAILED_UNCLASSIFIED", "UNCLASSIFIED"
@@ -334,16 +394,29 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
     def effect(self, *, using: str | None = None) -> Iterator[Effect]:
         """The effect and its ledger row in one transaction; see ``django_outbox.ledger``."""
         from django_outbox import audit, ledger
+        from django_outbox.conf import settings as audit_settings
         from django_outbox.models import Outcome
 
         execution = self._execution()
+
+        from django.db import connections
+
+        alias = using or audit_settings.database
+        # The attempt row joins the effect's commit only when that commit is the
+        # effect's own and on the audit database; inside a caller's atomic() an outer
+        # rollback could take it away, so it is then written when the attempt ends.
+        joins_commit = (
+            execution.audited
+            and alias == audit_settings.database
+            and not connections[alias].in_atomic_block
+        )
 
         def attempt_row(claimed: Effect) -> list[audit.Statement]:
             # Runs inside the effect's transaction, after the block: the attempt row
             # commits with the effect (one commit per job), and "applied" is never
             # recorded for an effect that rolled back.
             execution.outcome = Outcome.ALREADY_APPLIED if claimed.done else Outcome.APPLIED
-            if not execution.audited:
+            if not joins_commit:
                 return []
             fields = self._attempt_fields(execution, execution.outcome)
             return [audit.insert_statement(fields, replace=execution.effect_row_written)]
@@ -361,7 +434,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         except BaseException:
             execution.outcome = None  # rolled back: the error path records the attempt
             raise
-        if execution.audited:
+        if joins_commit:
             execution.effect_row_written = execution.recorded = True
             assert execution.outcome is not None
             self._emit(execution, execution.outcome)
@@ -506,9 +579,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 "could not record dead letter; retrying the message",
                 extra={"task": self.name, "job_id": request.id, "idempotency_key": key},
             )
-            raise self.retry(
-                exc=db_exc, countdown=_rng.uniform(1.0, 10.0), max_retries=None
-            ) from db_exc
+            raise self._retry(db_exc, _rng.uniform(1.0, 10.0)) from db_exc
         metrics.dead_letters.labels(self.name, reason.value).inc()
         if execution is None:
             execution = Execution(

@@ -59,7 +59,7 @@ def attempt_fields(
         duration_ms=(finished_at - started_at).total_seconds() * 1000.0,
         outcome=outcome,
         error_class=error_class[:255],
-        error_message=error_message,
+        error_message=error_message.replace("\x00", "\\x00"),
         retry_delay=retry_delay,
         next_attempt_at=(
             finished_at + dt.timedelta(seconds=retry_delay) if retry_delay is not None else None
@@ -97,10 +97,14 @@ def record_attempt(fields: dict[str, Any], *, replace: bool = False) -> None:
     (the handler failed after its effect). A failure to write is logged with every
     field and does not fail the job: the log line keeps the evidence.
     """
-    sql, params = insert_statement(fields, replace=replace)
     try:
         with connections[settings.database].cursor() as cursor:
-            cursor.execute(sql, params)
+            if replace:
+                cursor.execute(*insert_statement(fields, replace=True))
+                if cursor.rowcount:
+                    return
+                # The row it would replace rolled back with an outer transaction.
+            cursor.execute(*insert_statement(fields))
     except DatabaseError:
         logger.exception("could not record attempt", extra={"attempt_row": fields})
 

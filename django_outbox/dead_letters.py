@@ -51,25 +51,26 @@ def record(
         else None
     ) or now
     defaults: dict[str, Any] = dict(
-        task_name=task_name[:255],
+        task_name=text(task_name)[:255],
         reason=reason,
-        raw_body=raw_body,
+        raw_body=text(raw_body),
         args=_jsonable(list(args) if isinstance(args, list | tuple) else args),
         kwargs=_jsonable(kwargs if kwargs is not None else {}),
-        idempotency_key=idempotency_key[:255],
-        error_class=error_class[:255],
-        error_message=error_message,
-        traceback=traceback,
+        idempotency_key=text(idempotency_key)[:255],
+        error_class=text(error_class)[:255],
+        error_message=text(error_message),
+        traceback=text(traceback),
         attempts=attempts,
         last_attempt=now,
-        correlation_id=correlation_id[:255],
-        queue=queue[:255],
-        status=DeadLetterStatus.OPEN,
+        correlation_id=text(correlation_id)[:255],
+        queue=text(queue)[:255],
     )
+    # A redelivered message that fails again updates its letter but does not reopen
+    # one an operator already replayed or discarded (that would allow a second replay).
     letter, _ = DeadLetter.objects.using(settings.database).update_or_create(
-        task_id=task_id or f"unidentified-{uuid.uuid4()}",
+        task_id=text(task_id or f"unidentified-{uuid.uuid4()}")[:255],
         defaults=defaults,
-        create_defaults={**defaults, "first_seen": first_seen},
+        create_defaults={**defaults, "first_seen": first_seen, "status": DeadLetterStatus.OPEN},
     )
     return letter
 
@@ -97,17 +98,16 @@ def replay(letter: DeadLetter, *, by: str) -> str:
         headers: dict[str, object] = {REPLAY_HEADER: letter.pk}
         if letter.idempotency_key:
             headers[KEY_HEADER] = letter.idempotency_key
-        # Published after commit: a rollback of the status change publishes nothing.
-        transaction.on_commit(
-            lambda: app.send_task(
-                letter.task_name,
-                args=letter.args,
-                kwargs=letter.kwargs,
-                task_id=new_id,
-                headers=headers,
-                queue=letter.queue or None,
-            ),
-            using=settings.database,
+        # Published before the status change commits: a publish that fails leaves the
+        # letter open (and replayable); a commit that fails after a publish leaves a
+        # duplicate message, which the effect ledger absorbs.
+        app.send_task(
+            letter.task_name,
+            args=letter.args,
+            kwargs=letter.kwargs,
+            task_id=new_id,
+            headers=headers,
+            queue=letter.queue or None,
         )
     letter.refresh_from_db()
     return new_id
@@ -125,12 +125,23 @@ def discard(letter: DeadLetter, *, by: str) -> None:
     letter.refresh_from_db()
 
 
+def text(value: str) -> str:
+    """PostgreSQL text cannot hold NUL: keep it visible as ``\\x00`` instead of failing
+    to record the evidence at all."""
+    return value.replace("\x00", "\\x00")
+
+
 def _jsonable(value: Any) -> Any:
-    """Arguments as JSON can store them; anything else as its repr, never dropped."""
+    """Arguments as JSON can store them; anything else as its repr, never dropped.
+
+    PostgreSQL jsonb refuses ``\\u0000``: such arguments are kept as their repr.
+    """
     import json
 
     try:
-        json.dumps(value)
+        dumped = json.dumps(value)
     except (TypeError, ValueError):
-        return repr(value)
+        return text(repr(value))
+    if "\\u0000" in dumped:
+        return text(repr(value))
     return value

@@ -23,7 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
+from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
 from celery_explicit.errors import IdempotencyConflict
@@ -114,6 +115,14 @@ def effect(
 
         yield claimed
 
+        if connection.needs_rollback:
+            # Something inside the block failed and was caught (Django marked the
+            # transaction for rollback): the effect is not whole, so it must not
+            # commit, and the caller must not believe it did.
+            raise TransactionManagementError(
+                f"effect {key!r} rolled back: a database error inside the effect block "
+                "was caught; let it propagate or wrap the failing part in atomic()"
+            )
         statements: list[Statement] = []
         if claimed.result_ref and not claimed.done:
             statements.append((_RESULT_SQL, [str(claimed.result_ref)[:255], key]))
@@ -139,7 +148,9 @@ class _RoundTrips:
     string with the parameters bound by psycopg's client-side quoting (the same quoting
     Django's default client-side binding cursor uses), so they do not pass through
     Django's cursor wrappers: ``connection.queries`` and ``execute_wrapper`` hooks do
-    not see them. ``EXPLICIT_LEDGER_ROUND_TRIPS = False`` turns this off.
+    not see them. ``EXPLICIT_LEDGER_ROUND_TRIPS = False`` turns this off. It is not
+    used with a configured isolation level (plain BEGIN would drop it), and libpq's
+    blocking call would stall a gevent/eventlet hub: turn it off with green pools.
     """
 
     def __init__(self, connection: Any, raw: Any) -> None:
@@ -161,7 +172,12 @@ class _RoundTrips:
 
     def execute_and_commit(self, statements: list[Statement]) -> None:
         parts = [self._quote(sql, params) for sql, params in statements]
-        self._run("; ".join([*parts, "COMMIT"]))
+        result = self._run("; ".join([*parts, "COMMIT"]))
+        # COMMIT of an aborted transaction "succeeds" with the tag ROLLBACK.
+        if result.command_status != b"COMMIT":
+            raise DatabaseError(
+                f"the effect's transaction did not commit ({result.command_status!r})"
+            )
 
     def _run(self, query: str) -> Any:
         from psycopg import errors, pq
@@ -187,6 +203,9 @@ def _round_trips(connection: Any) -> _RoundTrips | None:
         return None
     raw = connection.connection
     if not isinstance(raw, psycopg.Connection) or raw.autocommit:
+        return None
+    if raw.isolation_level is not None or raw.read_only is not None or raw.deferrable:
+        # psycopg would begin with these options; a bare BEGIN would silently drop them.
         return None
     if raw.pgconn.transaction_status != pq.TransactionStatus.IDLE:
         return None

@@ -163,3 +163,10 @@ def test_fenced_update_allows_the_same_holder_and_refuses_older_tokens() -> None
     assert caught.value.target == "testapp.Profile"
     assert rows.get().data == "again"
     assert fenced_update(Profile.objects.filter(user_id=404), token=9, data="x") == 0
+
+
+def test_the_blocks_own_error_wins_over_a_lost_lock(redis_client, prefix) -> None:
+    a = lock(redis_client, prefix, ttl=0.1)
+    with pytest.raises(KeyError, match="downstream"), a.hold():
+        time.sleep(0.2)  # the lock expires while the block runs
+        raise KeyError("downstream")

@@ -220,6 +220,29 @@ class SlowShip(ExplicitTask):
             Counter.objects.filter(name=name).update(value=F("value") + 1)
 
 
+class NestedEffect(ExplicitTask):
+    """A handler that wraps its effect in its own atomic() (an outer transaction)."""
+
+    name = "tests.nested_effect"
+    idempotency_key = "nested:{name}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = ()
+    fail_on = (ValueError,)
+
+    def run(self, name: str, fail: bool) -> None:
+        from django.db import transaction
+
+        with transaction.atomic():
+            with self.effect() as eff:
+                if eff.done:
+                    return
+                Counter.objects.filter(name=name).update(value=F("value") + 1)
+            if fail:
+                raise ValueError("validation failed after the effect, inside the outer block")
+
+
+app.register_task(NestedEffect())
 app.register_task(SlowShip())
 app.register_task(RecordEvent())
 app.register_task(ShortDedup())

@@ -221,6 +221,44 @@ def test_dedup_declaration_is_checked_against_run() -> None:
         define(dedup_key="{payment_id}")
     with pytest.raises(ContractError, match="dedup_window is declared without dedup_key"):
         define(dedup_window=60)
-    with pytest.raises(ContractError, match="dedup_window=0 must be a positive number"):
+    with pytest.raises(ContractError, match="dedup_window=0 must be a positive, finite number"):
         define(dedup_key="{payment_id}", dedup_window=0)
     assert define().contract.dedup is None
+
+
+def test_an_abstract_base_cannot_smuggle_refused_options() -> None:
+    base = type("LooseBase", (ExplicitTask,), {"abstract": True, "acks_late": False})
+    with pytest.raises(ContractError, match="acks_late=False is refused"):
+        type("Child", (base,), {**VALID, "run": lambda self, payment_id: None})
+    base2 = type("RetryBase", (ExplicitTask,), {"abstract": True, "autoretry_for": (KeyError,)})
+    with pytest.raises(ContractError, match="option 'autoretry_for' is not used"):
+        type("Child2", (base2,), {**VALID, "run": lambda self, payment_id: None})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_durations_are_refused(value: float) -> None:
+    with pytest.raises(ContractError, match="positive, finite number"):
+        define(visibility_timeout=value)
+    with pytest.raises(ContractError, match="positive, finite number"):
+        define(backoff_cap=value)
+
+
+def test_a_constant_callable_key_is_refused() -> None:
+    with pytest.raises(ContractError, match="callable takes no parameter"):
+        define(idempotency_key=staticmethod(lambda: "constant"))
+
+
+def test_positional_only_parameters_can_be_key_fields() -> None:
+    def run(self: Any, payment_id: int, /) -> None:
+        return None
+
+    assert define(run=run).contract.run_parameters == ("payment_id",)
+
+
+def test_an_unnamed_task_is_named_by_its_class_path() -> None:
+    body = {k: v for k, v in VALID.items() if k != "name"}
+    with pytest.raises(ContractError, match=r"Task tests\.unit\.test_contract\.Unnamed: "
+                                            r"idempotency_key must be"):
+        type("Unnamed", (ExplicitTask,), {**body, "idempotency_key": 42,
+                                          "run": lambda self, payment_id: None,
+                                          "__module__": __name__})

@@ -41,3 +41,24 @@ def test_callable_key() -> None:
 def test_fingerprint_is_stable_and_argument_sensitive() -> None:
     assert fingerprint({"a": 1, "b": 2}) == fingerprint({"b": 2, "a": 1})
     assert fingerprint({"a": 1, "b": 2}) != fingerprint({"a": 1, "b": 3})
+
+
+@pytest.mark.parametrize(("declaration", "given"), [
+    ("order:{order[id]}", {"order": [1, 2]}),
+    ("n:{n[0]}", {"n": 5}),
+    (lambda items: f"first:{items[0]}", {"items": []}),
+    (lambda a: f"inv:{1 / a}", {"a": 0}),
+])
+def test_any_rendering_failure_is_bad_input(declaration: object, given: dict[str, object]) -> None:
+    with pytest.raises(BadInput, match=r"shop\.t: "):
+        render_key("shop.t", declaration, given)  # type: ignore[arg-type]
+
+
+def test_a_none_field_of_a_callable_key_is_bad_input() -> None:
+    with pytest.raises(BadInput, match="field 'payment_id' is None"):
+        render_key("t", lambda payment_id: f"payment:{payment_id}", {"payment_id": None})
+
+
+def test_dedup_keys_are_named_as_such_in_errors() -> None:
+    with pytest.raises(BadInput, match="dedup key field 'event_id' is missing"):
+        render_key("t", "{event_id}", {}, label="dedup key")
