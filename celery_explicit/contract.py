@@ -36,6 +36,7 @@ DEFAULTS: Mapping[str, Any] = {
     "max_attempts": 5,
     "backoff_base": 1.0,
     "backoff_cap": 60.0,
+    "max_deliveries": 5,
 }
 
 #: Celery options that would quietly undo a contract, with what to declare instead.
@@ -92,6 +93,8 @@ class Contract:
     signature: inspect.Signature
     #: Explicit dedup of a known message id inside a window (None: not declared).
     dedup: Dedup | None = None
+    #: Deliveries of one message (redeliveries included) before it is dead-lettered.
+    max_deliveries: int = 5
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,17 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
             f"max_attempts={max_attempts!r} must be an integer >= 1 (it counts the first attempt)",
             "max_attempts",
         )
+    max_deliveries = getattr(cls, "max_deliveries", DEFAULTS["max_deliveries"])
+    if (
+        not isinstance(max_deliveries, int)
+        or isinstance(max_deliveries, bool)
+        or max_deliveries < 1
+    ):
+        raise refuse(
+            f"max_deliveries={max_deliveries!r} must be an integer >= 1 (deliveries of one "
+            "message, redeliveries included)",
+            "max_deliveries",
+        )
     base = _positive(getattr(cls, "backoff_base", DEFAULTS["backoff_base"]), "backoff_base", refuse)
     cap = _positive(getattr(cls, "backoff_cap", DEFAULTS["backoff_cap"]), "backoff_cap", refuse)
     if cap < base:
@@ -214,6 +228,7 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         run_takes_kwargs=takes_kwargs,
         signature=sig,
         dedup=_dedup(cls, params, takes_kwargs, refuse),
+        max_deliveries=max_deliveries,
     )
 
 

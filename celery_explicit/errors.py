@@ -44,6 +44,20 @@ class BadInput(ExplicitError):
         super().__init__(f"Task {task_name}: {message}")
 
 
+class DeliveryLimitExceeded(ExplicitError):
+    """The same message was delivered more than ``max_deliveries`` times (its handler
+    keeps killing its worker, or keeps being redelivered): dead-lettered, not run."""
+
+    def __init__(self, task_name: str, *, deliveries: int, limit: int) -> None:
+        self.task_name = task_name
+        self.deliveries = deliveries
+        self.limit = limit
+        super().__init__(
+            f"Task {task_name}: delivered {deliveries} times, more than max_deliveries="
+            f"{limit}; dead-lettered instead of running again"
+        )
+
+
 class IdempotencyConflict(ExplicitError):
     """An effect with this idempotency key was already applied with other arguments.
 

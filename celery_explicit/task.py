@@ -35,8 +35,13 @@ from django.utils import timezone
 
 from celery_explicit import contract as contract_mod
 from celery_explicit import dedup as dedup_mod
-from celery_explicit import idempotency, metrics
-from celery_explicit.errors import BadInput, ExplicitError, IdempotencyConflict
+from celery_explicit import delivery_limit, idempotency, metrics
+from celery_explicit.errors import (
+    BadInput,
+    DeliveryLimitExceeded,
+    ExplicitError,
+    IdempotencyConflict,
+)
 from celery_explicit.retry_policy import Classification
 
 if TYPE_CHECKING:
@@ -263,6 +268,21 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             )
             raise
 
+        limit_hit = self._over_delivery_limit(execution, request)
+        if limit_hit is not None:
+            self._dead_letter_and_audit(
+                request,
+                args,
+                kwargs,
+                limit_hit,
+                started=started,
+                key=execution.key,
+                outcome_name="DELIVERY_LIMIT",
+                reason_name="DELIVERY_LIMIT",
+                execution=execution,
+            )
+            raise limit_hit
+
         if self.contract.dedup is not None and not self._claim_dedup(execution, request):
             return None
 
@@ -292,6 +312,25 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         if not execution.recorded:
             self._audit(execution, execution.outcome.name if execution.outcome else "SUCCEEDED")
         return result
+
+    def _over_delivery_limit(
+        self, execution: Execution, request: Any
+    ) -> DeliveryLimitExceeded | None:
+        """Count this delivery; the error to dead-letter with if it is one too many."""
+        import redis
+
+        try:
+            count = delivery_limit.count_delivery(execution.task_id, int(request.retries or 0))
+        except redis.RedisError:
+            # Counting is a safety net: without Redis the job still runs.
+            logger.warning(
+                "could not count a delivery", extra={"task": self.name, "job_id": execution.task_id}
+            )
+            return None
+        limit = self.contract.max_deliveries
+        if count <= limit:
+            return None
+        return DeliveryLimitExceeded(self.name, deliveries=count, limit=limit)
 
     def _claim_dedup(self, execution: Execution, request: Any) -> bool:
         """Delivery-side dedup: False (and recorded) when another message owns the id."""

@@ -27,6 +27,7 @@ class Outcome(models.TextChoices):
     BAD_INPUT = "bad_input", "bad input"
     CONFLICT = "conflict", "idempotency conflict (other arguments)"
     DEDUPLICATED = "deduplicated", "dropped: another message owns its dedup id"
+    DELIVERY_LIMIT = "delivery_limit", "not run: delivered more than max_deliveries times"
 
 
 class DeadLetterReason(models.TextChoices):
@@ -35,6 +36,7 @@ class DeadLetterReason(models.TextChoices):
     EXHAUSTED = "exhausted", "attempts exhausted"
     BAD_INPUT = "bad_input", "bad input"
     CONFLICT = "conflict", "idempotency conflict"
+    DELIVERY_LIMIT = "delivery_limit", "delivered more than max_deliveries times"
 
 
 class DeadLetterStatus(models.TextChoices):

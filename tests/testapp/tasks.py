@@ -242,6 +242,34 @@ class NestedEffect(ExplicitTask):
                 raise ValueError("validation failed after the effect, inside the outer block")
 
 
+class KillsItsWorker(ExplicitTask):
+    """A poison message: its handler kills its own pool process every time."""
+
+    name = "tests.kills_its_worker"
+    idempotency_key = "poison:{job}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = ()
+    fail_on = ()
+    max_deliveries = 3
+
+    def run(self, job: str) -> None:
+        import redis
+        from django.conf import settings
+
+        redis.Redis.from_url(settings.REDIS_URL).rpush(f"ran:{job}", os.getpid())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillsItsWorkerUnlimited(KillsItsWorker):
+    """Negative control: the same poison with a limit it never reaches."""
+
+    name = "tests.kills_its_worker_unlimited"
+    max_deliveries = 10_000
+
+
+app.register_task(KillsItsWorker())
+app.register_task(KillsItsWorkerUnlimited())
 app.register_task(NestedEffect())
 app.register_task(SlowShip())
 app.register_task(RecordEvent())

@@ -262,3 +262,11 @@ def test_an_unnamed_task_is_named_by_its_class_path() -> None:
         type("Unnamed", (ExplicitTask,), {**body, "idempotency_key": 42,
                                           "run": lambda self, payment_id: None,
                                           "__module__": __name__})
+
+
+def test_max_deliveries_is_validated() -> None:
+    assert define().contract.max_deliveries == 5
+    assert define(max_deliveries=2).contract.max_deliveries == 2
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ContractError, match=r"max_deliveries=.* must be an integer >= 1"):
+            define(max_deliveries=bad)
