@@ -316,21 +316,30 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
     def _over_delivery_limit(
         self, execution: Execution, request: Any
     ) -> DeliveryLimitExceeded | None:
-        """Count this delivery; the error to dead-letter with if it is one too many."""
+        """Count this delivery; the error to dead-letter with if it is one too many.
+
+        Only redeliveries are counted (the broker flags them): a first delivery costs
+        no round trip, and the count plus the first delivery is the total.
+        """
         import redis
 
+        if not (request.delivery_info or {}).get("redelivered"):
+            return None
         try:
-            count = delivery_limit.count_delivery(execution.task_id, int(request.retries or 0))
+            redeliveries = delivery_limit.count_delivery(
+                execution.task_id, int(request.retries or 0)
+            )
         except redis.RedisError:
             # Counting is a safety net: without Redis the job still runs.
             logger.warning(
-                "could not count a delivery", extra={"task": self.name, "job_id": execution.task_id}
+                "could not count a delivery",
+                extra={"task": self.name, "job_id": execution.task_id},
             )
             return None
-        limit = self.contract.max_deliveries
-        if count <= limit:
+        deliveries, limit = redeliveries + 1, self.contract.max_deliveries
+        if deliveries <= limit:
             return None
-        return DeliveryLimitExceeded(self.name, deliveries=count, limit=limit)
+        return DeliveryLimitExceeded(self.name, deliveries=deliveries, limit=limit)
 
     def _claim_dedup(self, execution: Execution, request: Any) -> bool:
         """Delivery-side dedup: False (and recorded) when another message owns the id."""
