@@ -4,36 +4,95 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('django_outbox', '0002_attempt_outcome_deduplicated'),
+        ("django_outbox", "0002_attempt_outcome_deduplicated"),
     ]
 
     operations = [
         migrations.RemoveConstraint(
-            model_name='attempt',
-            name='django_outbox_attempt_outcome_valid',
+            model_name="attempt",
+            name="django_outbox_attempt_outcome_valid",
         ),
         migrations.RemoveConstraint(
-            model_name='deadletter',
-            name='django_outbox_dl_reason_valid',
+            model_name="deadletter",
+            name="django_outbox_dl_reason_valid",
         ),
         migrations.AlterField(
-            model_name='attempt',
-            name='outcome',
-            field=models.CharField(choices=[('applied', 'effect applied'), ('already_applied', 'already applied (duplicate absorbed)'), ('succeeded', 'succeeded (no effect block)'), ('retry_scheduled', 'retry scheduled'), ('failed_permanent', 'failed: permanent error'), ('failed_unclassified', 'failed: unclassified error'), ('exhausted', 'failed: attempts exhausted'), ('bad_input', 'bad input'), ('conflict', 'idempotency conflict (other arguments)'), ('deduplicated', 'dropped: another message owns its dedup id'), ('delivery_limit', 'not run: delivered more than max_deliveries times')], max_length=32),
+            model_name="attempt",
+            name="outcome",
+            field=models.CharField(
+                choices=[
+                    ("applied", "effect applied"),
+                    ("already_applied", "already applied (duplicate absorbed)"),
+                    ("succeeded", "succeeded (no effect block)"),
+                    ("retry_scheduled", "retry scheduled"),
+                    ("failed_permanent", "failed: permanent error"),
+                    ("failed_unclassified", "failed: unclassified error"),
+                    ("exhausted", "failed: attempts exhausted"),
+                    ("bad_input", "bad input"),
+                    ("conflict", "idempotency conflict (other arguments)"),
+                    ("deduplicated", "dropped: another message owns its dedup id"),
+                    ("delivery_limit", "not run: delivered more than max_deliveries times"),
+                ],
+                max_length=32,
+            ),
         ),
         migrations.AlterField(
-            model_name='deadletter',
-            name='reason',
-            field=models.CharField(choices=[('permanent', 'permanent error'), ('unclassified', 'unclassified error (classify it)'), ('exhausted', 'attempts exhausted'), ('bad_input', 'bad input'), ('conflict', 'idempotency conflict'), ('delivery_limit', 'delivered more than max_deliveries times')], max_length=32),
+            model_name="deadletter",
+            name="reason",
+            field=models.CharField(
+                choices=[
+                    ("permanent", "permanent error"),
+                    ("unclassified", "unclassified error (classify it)"),
+                    ("exhausted", "attempts exhausted"),
+                    ("bad_input", "bad input"),
+                    ("conflict", "idempotency conflict"),
+                    ("delivery_limit", "delivered more than max_deliveries times"),
+                ],
+                max_length=32,
+            ),
         ),
         migrations.AddConstraint(
-            model_name='attempt',
-            constraint=models.CheckConstraint(condition=models.Q(('outcome__in', ['applied', 'already_applied', 'succeeded', 'retry_scheduled', 'failed_permanent', 'failed_unclassified', 'exhausted', 'bad_input', 'conflict', 'deduplicated', 'delivery_limit'])), name='django_outbox_attempt_outcome_valid'),
+            model_name="attempt",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    (
+                        "outcome__in",
+                        [
+                            "applied",
+                            "already_applied",
+                            "succeeded",
+                            "retry_scheduled",
+                            "failed_permanent",
+                            "failed_unclassified",
+                            "exhausted",
+                            "bad_input",
+                            "conflict",
+                            "deduplicated",
+                            "delivery_limit",
+                        ],
+                    )
+                ),
+                name="django_outbox_attempt_outcome_valid",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='deadletter',
-            constraint=models.CheckConstraint(condition=models.Q(('reason__in', ['permanent', 'unclassified', 'exhausted', 'bad_input', 'conflict', 'delivery_limit'])), name='django_outbox_dl_reason_valid'),
+            model_name="deadletter",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    (
+                        "reason__in",
+                        [
+                            "permanent",
+                            "unclassified",
+                            "exhausted",
+                            "bad_input",
+                            "conflict",
+                            "delivery_limit",
+                        ],
+                    )
+                ),
+                name="django_outbox_dl_reason_valid",
+            ),
         ),
     ]
