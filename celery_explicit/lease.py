@@ -34,6 +34,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from celery import bootsteps
@@ -170,6 +171,38 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 self._leased.add(request.id)
                 metrics.lease_extensions.labels(task.name).inc()
         self._leased &= held
+
+
+@dataclass(frozen=True)
+class LiveLease:
+    """A held message's lease as an operator sees it (``manage.py explicit_leases``)."""
+
+    task_id: str
+    owner: str
+    extensions: int
+    expires_in: float  # seconds until the message is visible to other workers again
+    delivery_tag: str
+
+
+def live_leases(client: Any, *, prefix: str = DEFAULT_PREFIX) -> list[LiveLease]:
+    """Every lease record in the broker's Redis (SCAN, not KEYS)."""
+    found = []
+    now_ms = time.time() * 1000
+    for raw_key in client.scan_iter(match=f"{prefix}lease:*", count=500, _type="HASH"):
+        key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+        info = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+        if not info:
+            continue  # acked or expired between SCAN and now
+        found.append(
+            LiveLease(
+                task_id=key[len(f"{prefix}lease:") :],
+                owner=info.get("owner", ""),
+                extensions=int(info.get("extensions", 0)),
+                expires_in=max(0.0, (int(info.get("deadline_ms", now_ms)) - now_ms) / 1000.0),
+                delivery_tag=info.get("tag", ""),
+            )
+        )
+    return sorted(found, key=lambda lease: lease.expires_in)
 
 
 def install(app: Any) -> None:

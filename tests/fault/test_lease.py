@@ -12,7 +12,9 @@ import time
 import uuid
 
 import pytest
+from django.core.management import call_command
 
+from celery_explicit.lease import live_leases
 from django_outbox.models import Attempt, Outcome
 from tests.testapp.models import Counter
 from tests.testapp.tasks import SlowShip
@@ -40,6 +42,14 @@ def test_a_job_three_times_its_lease_runs_once_while_alive(start_worker, queue,
     start_worker(concurrency=JOBS)
     start_worker(concurrency=JOBS)
     orders = publish(queue, seconds=6.0)
+    # While they run, an operator sees each lease: owner, extensions, time left.
+    wait_for(lambda: all(ran(redis_client, o) for o in orders), timeout=20,
+             what="every job started")
+    time.sleep(1.5)
+    held = [x for x in live_leases(redis_client) if x.owner]
+    assert len(held) >= JOBS
+    assert all(0 < x.expires_in <= 2.0 and x.extensions >= 1 for x in held)
+    call_command("explicit_leases")
     wait_for(lambda: Attempt.objects.count() >= JOBS, timeout=40, what="every job done")
     time.sleep(2.5)  # a lease past its deadline would have been restored by now
     assert [len(ran(redis_client, o)) for o in orders] == [1] * JOBS  # zero redeliveries
@@ -80,4 +90,26 @@ def test_a_killed_worker_s_job_runs_again_within_its_own_lease(start_worker, que
     wait_for(lambda: Attempt.objects.filter(idempotency_key=f"order:{order}:ship",
                                             outcome=Outcome.APPLIED).exists(),
              timeout=20, what="the effect")
+    assert Counter.objects.get(name=order).value == 1
+
+
+def test_a_stopped_child_loses_its_lease_and_another_worker_takes_the_job(
+        start_worker, queue, redis_client) -> None:
+    a = start_worker(concurrency=1)
+    (order,) = publish(queue, seconds=4.0, jobs=1)
+    wait_for(lambda: ran(redis_client, order), timeout=20, what="the job to start")
+    (child,) = a.child_pids()
+    b = start_worker(concurrency=1)
+    os.kill(child, signal.SIGSTOP)  # a GC pause, a debugger, a frozen VM
+    try:
+        wait_for(lambda: len(ran(redis_client, order)) == 2, timeout=20,
+                 what="another worker to take the job")
+        assert ran(redis_client, order) == [a.process.pid, b.process.pid]
+        wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists(),
+                 timeout=20, what="the second worker's effect")
+    finally:
+        os.kill(child, signal.SIGCONT)
+    # The first execution wakes up and reaches its effect: the ledger says done.
+    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.ALREADY_APPLIED).exists(),
+             timeout=20, what="the resumed execution")
     assert Counter.objects.get(name=order).value == 1
