@@ -37,6 +37,7 @@ DEFAULTS: Mapping[str, Any] = {
     "backoff_base": 1.0,
     "backoff_cap": 60.0,
     "max_deliveries": 5,
+    "max_run_time": None,
 }
 
 #: Celery options that would quietly undo a contract, with what to declare instead.
@@ -95,6 +96,8 @@ class Contract:
     dedup: Dedup | None = None
     #: Deliveries of one message (redeliveries included) before it is dead-lettered.
     max_deliveries: int = 5
+    #: Seconds a run may take before it is stopped (None: no limit declared).
+    max_run_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,15 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
             "message, redeliveries included)",
             "max_deliveries",
         )
+    max_run_time: float | None = None
+    if getattr(cls, "max_run_time", None) is not None:
+        max_run_time = _positive(getattr(cls, "max_run_time", None), "max_run_time", refuse)
+        if max_run_time < expected:
+            raise refuse(
+                f"max_run_time={max_run_time:g}s is shorter than expected_duration="
+                f"{expected:g}s: a normal run would be stopped",
+                "max_run_time",
+            )
     base = _positive(getattr(cls, "backoff_base", DEFAULTS["backoff_base"]), "backoff_base", refuse)
     cap = _positive(getattr(cls, "backoff_cap", DEFAULTS["backoff_cap"]), "backoff_cap", refuse)
     if cap < base:
@@ -229,6 +241,7 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         signature=sig,
         dedup=_dedup(cls, params, takes_kwargs, refuse),
         max_deliveries=max_deliveries,
+        max_run_time=max_run_time,
     )
 
 

@@ -28,7 +28,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task, current_task
-from celery.exceptions import InvalidTaskError, Reject, Retry
+from celery.exceptions import InvalidTaskError, Reject, Retry, SoftTimeLimitExceeded
 from celery.worker.request import Request
 from django.db import DatabaseError
 from django.utils import timezone
@@ -109,6 +109,13 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         if cls.__dict__.get("abstract"):
             return
         cls.contract = contract_mod.build(cls, cls.__dict__)
+        limit = cls.contract.max_run_time
+        if limit is not None and "time_limit" not in cls.__dict__:
+            # Celery's soft limit raises SoftTimeLimitExceeded in the handler (recorded
+            # as max_run_time); the hard limit, a little later, kills a handler that
+            # ignores it (recorded by ExplicitRequest.on_timeout).
+            cls.soft_time_limit = limit  # type: ignore[assignment]  # Celery takes floats
+            cls.time_limit = limit + max(1.0, 0.1 * limit)  # type: ignore[assignment]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -291,6 +298,19 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         except Retry:
             # The handler called self.retry() itself: an explicit decision, recorded.
             self._audit(execution, "RETRY_SCHEDULED")
+            raise
+        except SoftTimeLimitExceeded as exc:
+            self._dead_letter_and_audit(
+                request,
+                args,
+                kwargs,
+                exc,
+                started=started,
+                key=execution.key,
+                outcome_name="MAX_RUN_TIME",
+                reason_name="MAX_RUN_TIME",
+                execution=execution,
+            )
             raise
         except IdempotencyConflict as exc:
             metrics.duplicates_absorbed.labels(self.name, "arguments").inc()
@@ -677,6 +697,21 @@ class ExplicitRequest(Request):
     instead makes Celery reject the one message; ``django_outbox.receivers`` records it
     as a dead letter with its raw body, and the worker goes on consuming.
     """
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        """The hard time limit killed the handler: it never reached its own records."""
+        if not soft:
+            from django_outbox import receivers
+
+            receivers.record_hard_timeout(
+                task_id=self.id,
+                task_name=self.task_name,
+                message=self.message,
+                timeout=timeout,
+                args=self.args,
+                kwargs=self.kwargs,
+            )
+        super().on_timeout(soft, timeout)
 
     def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
         try:

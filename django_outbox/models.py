@@ -28,6 +28,7 @@ class Outcome(models.TextChoices):
     CONFLICT = "conflict", "idempotency conflict (other arguments)"
     DEDUPLICATED = "deduplicated", "dropped: another message owns its dedup id"
     DELIVERY_LIMIT = "delivery_limit", "not run: delivered more than max_deliveries times"
+    MAX_RUN_TIME = "max_run_time", "stopped: ran longer than max_run_time"
 
 
 class DeadLetterReason(models.TextChoices):
@@ -37,6 +38,7 @@ class DeadLetterReason(models.TextChoices):
     BAD_INPUT = "bad_input", "bad input"
     CONFLICT = "conflict", "idempotency conflict"
     DELIVERY_LIMIT = "delivery_limit", "delivered more than max_deliveries times"
+    MAX_RUN_TIME = "max_run_time", "ran longer than max_run_time"
 
 
 class DeadLetterStatus(models.TextChoices):

@@ -120,3 +120,30 @@ def record_rejected(sender: Any = None, message: Any = None, exc: Any = None, **
         error_class=(f"{type(exc).__module__}.{type(exc).__qualname__}" if exc is not None else ""),
         error_message=f"{reason}; task {name}",
     )
+
+
+def record_hard_timeout(
+    *, task_id: str | None, task_name: str, message: Any, timeout: float, args: Any, kwargs: Any
+) -> None:
+    """Worker main process: the hard time limit killed a handler past max_run_time."""
+    headers = dict(getattr(message, "headers", None) or {})
+    try:
+        dead_letters.record(
+            task_id=task_id,
+            task_name=task_name,
+            reason=DeadLetterReason.MAX_RUN_TIME,
+            args=list(args or ()),
+            kwargs=dict(kwargs or {}),
+            idempotency_key=str(headers.get(KEY_HEADER) or ""),
+            error_class="billiard.exceptions.TimeLimitExceeded",
+            error_message=f"Task {task_name}: killed by the hard time limit after "
+            f"{timeout:g}s (max_run_time exceeded, soft limit ignored)",
+            correlation_id=str(headers.get(CORRELATION_HEADER) or ""),
+            queue=str((getattr(message, "delivery_info", None) or {}).get("routing_key") or ""),
+        )
+    except DatabaseError:
+        logger.exception(
+            "could not dead-letter a timed-out job", extra={"task": task_name, "job_id": task_id}
+        )
+        return
+    metrics.dead_letters.labels(task_name, DeadLetterReason.MAX_RUN_TIME.value).inc()

@@ -268,6 +268,29 @@ class KillsItsWorkerUnlimited(KillsItsWorker):
     max_deliveries = 10_000
 
 
+class Overrun(ExplicitTask):
+    """Declares a 1 s maximum run time; ``stubborn`` ignores the soft limit."""
+
+    name = "tests.overrun"
+    idempotency_key = "overrun:{job}"
+    visibility_timeout = 4
+    expected_duration = 0.5
+    max_run_time = 1
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, job: str, stubborn: bool = False) -> None:
+        from celery.exceptions import SoftTimeLimitExceeded
+
+        try:
+            time.sleep(5)
+        except SoftTimeLimitExceeded:
+            if not stubborn:
+                raise
+            time.sleep(5)  # ignores it: the hard limit kills the process
+
+
+app.register_task(Overrun())
 app.register_task(KillsItsWorker())
 app.register_task(KillsItsWorkerUnlimited())
 app.register_task(NestedEffect())

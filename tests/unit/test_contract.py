@@ -270,3 +270,13 @@ def test_max_deliveries_is_validated() -> None:
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ContractError, match=r"max_deliveries=.* must be an integer >= 1"):
             define(max_deliveries=bad)
+
+
+def test_max_run_time_sets_celery_limits_and_must_cover_a_normal_run() -> None:
+    task = define(max_run_time=20)
+    assert task.contract.max_run_time == 20.0
+    assert task.soft_time_limit == 20.0
+    assert task.time_limit == 22.0
+    assert define().contract.max_run_time is None
+    with pytest.raises(ContractError, match="max_run_time=2s is shorter than expected_duration"):
+        define(max_run_time=2)

@@ -1,0 +1,29 @@
+"""A run longer than the task's max_run_time is stopped and recorded, not extended."""
+
+from __future__ import annotations
+
+import pytest
+
+from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, Outcome
+from tests.testapp.tasks import Overrun
+from tests.workers import wait_for
+
+pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+
+
+def test_soft_and_hard_limits_stop_the_run_and_leave_a_dead_letter(start_worker,
+                                                                    queue) -> None:
+    worker = start_worker(concurrency=2)
+    polite = Overrun().apply_async(args=["polite"], queue=queue)
+    stubborn = Overrun().apply_async(args=["stubborn", True], queue=queue)
+    wait_for(lambda: DeadLetter.objects.count() == 2, timeout=30, what="two dead letters")
+    letters = {d.task_id: d for d in DeadLetter.objects.all()}
+    assert {d.reason for d in letters.values()} == {DeadLetterReason.MAX_RUN_TIME}
+    # The polite run raised SoftTimeLimitExceeded and recorded its own attempt.
+    assert letters[polite.id].error_class.endswith("SoftTimeLimitExceeded")
+    assert list(Attempt.objects.filter(task_id=polite.id).values_list("outcome", flat=True)) \
+        == [Outcome.MAX_RUN_TIME]
+    # The stubborn one was killed by the hard limit; the main process recorded it.
+    assert "killed by the hard time limit" in letters[stubborn.id].error_message
+    assert letters[stubborn.id].args == ["stubborn", True]
+    assert worker.alive()
