@@ -1,5 +1,5 @@
 # Convenience targets; scripts/ holds the real commands.
-.PHONY: test demo lint bench bench-p1 bench-p2
+.PHONY: test demo lint bench bench-p1 bench-p2 bench-p4
 
 test:
 	./scripts/test
@@ -10,10 +10,13 @@ demo:
 lint:
 	.venv/bin/ruff check . && .venv/bin/ruff format --check celery_explicit django_outbox && .venv/bin/mypy
 
-bench: bench-p1 bench-p2
+bench: bench-p1 bench-p2 bench-p4
 
 bench-p1:
 	./scripts/bench p1_throughput.py
 
 bench-p2:
 	./scripts/bench p2_effect.py
+
+bench-p4:
+	./scripts/bench p4_locks.py

@@ -12,8 +12,9 @@ number that only grows, so a write can refuse a holder that lost its lock while 
         rebuild(user_id=123, fencing_token=fence)
         lock.extend()        # still working: push the expiry forward
 
-State in Redis, per lock: a hash ``{prefix}lock:{name}`` (token, owner, acquired_ms,
-fence) with the TTL, and a counter ``{prefix}fence:{name}`` that outlives it.
+State in Redis, per lock: a string ``{prefix}lock:{name}`` holding
+``<token>|<fence>|<acquired_ms>|<owner>`` with the TTL, and a counter
+``{prefix}fence:{name}`` that outlives it.
 """
 
 from __future__ import annotations
@@ -36,41 +37,44 @@ logger = logging.getLogger("celery_explicit.locks")
 
 DEFAULT_PREFIX = "explicit:"
 
-# KEYS[1] - the lock hash
+# The lock's value is "<token>|<fence>|<acquired_ms>|<owner>": one string, so taking it
+# is one SET NX PX; the 32-character token prefix is what release and extend compare.
+
+# KEYS[1] - the lock
 # KEYS[2] - the fencing counter (never expires)
-# ARGV[1] - owner token
+# ARGV[1] - owner token (32 hex characters)
 # ARGV[2] - ttl in milliseconds
-# ARGV[3] - owner description (host:pid)
+# ARGV[3] - acquisition time in milliseconds (the client's clock; for display only)
+# ARGV[4] - owner description (host:pid)
 # return the new fencing token if acquired, otherwise false
 ACQUIRE = """
 if redis.call('exists', KEYS[1]) == 1 then
     return false
 end
 local fence = redis.call('incr', KEYS[2])
-local now = redis.call('time')
-local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
-redis.call('hset', KEYS[1], 'token', ARGV[1], 'owner', ARGV[3],
-           'acquired_ms', now_ms, 'fence', fence)
-redis.call('pexpire', KEYS[1], ARGV[2])
+redis.call('set', KEYS[1], ARGV[1] .. '|' .. fence .. '|' .. ARGV[3] .. '|' .. ARGV[4],
+           'PX', ARGV[2])
 return fence
 """
 
-# KEYS[1] - the lock hash
+# KEYS[1] - the lock
 # ARGV[1] - owner token
 # return 1 if released, otherwise 0
 RELEASE = """
-if redis.call('hget', KEYS[1], 'token') == ARGV[1] then
+local value = redis.call('get', KEYS[1])
+if value and string.sub(value, 1, 32) == ARGV[1] then
     return redis.call('del', KEYS[1])
 end
 return 0
 """
 
-# KEYS[1] - the lock hash
+# KEYS[1] - the lock
 # ARGV[1] - owner token
 # ARGV[2] - new ttl in milliseconds, counted from now
 # return 1 if extended, otherwise 0
 EXTEND = """
-if redis.call('hget', KEYS[1], 'token') == ARGV[1] then
+local value = redis.call('get', KEYS[1])
+if value and string.sub(value, 1, 32) == ARGV[1] then
     return redis.call('pexpire', KEYS[1], ARGV[2])
 end
 return 0
@@ -122,7 +126,8 @@ class LeaseLock:
         pause = 0.01
         while True:
             fence = self._acquire(
-                keys=[self.key, self.fence_key], args=[token, _ms(self.ttl), self.owner]
+                keys=[self.key, self.fence_key],
+                args=[token, _ms(self.ttl), int(time.time() * 1000), self.owner],
             )
             if fence:
                 self.token, self.fence = token, int(fence)
@@ -200,23 +205,22 @@ class LeaseLock:
 def live_locks(client: Any, *, prefix: str = DEFAULT_PREFIX) -> list[LiveLock]:
     """Every lock currently held, with owner, age and time left (SCAN, not KEYS)."""
     found = []
-    now_s, now_us = client.time()
-    now_ms = now_s * 1000 + now_us // 1000
-    for raw_key in client.scan_iter(match=f"{prefix}lock:*", count=500, _type="HASH"):
+    now_ms = time.time() * 1000
+    for raw_key in client.scan_iter(match=f"{prefix}lock:*", count=500, _type="STRING"):
         key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
         pipe = client.pipeline(transaction=False)
-        pipe.hgetall(key)
+        pipe.get(key)
         pipe.pttl(key)
-        info, pttl = pipe.execute()
-        if not info or pttl < 0:
+        value, pttl = pipe.execute()
+        if not value or pttl < 0:
             continue  # released or expired between SCAN and now
-        info = {k.decode(): v.decode() for k, v in info.items()}
+        _token, fence, acquired_ms, owner = value.decode().split("|", 3)
         found.append(
             LiveLock(
                 name=key[len(f"{prefix}lock:") :],
-                owner=info.get("owner", ""),
-                fence=int(info.get("fence", 0)),
-                age=max(0.0, (now_ms - int(info.get("acquired_ms", now_ms))) / 1000.0),
+                owner=owner,
+                fence=int(fence),
+                age=max(0.0, (now_ms - int(acquired_ms)) / 1000.0),
                 expires_in=pttl / 1000.0,
             )
         )
