@@ -48,7 +48,7 @@ ensure_rabbitmq() {
     if (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null; then return 0; fi
     echo "starting RabbitMQ" >&2
     rabbitmq-server -detached
-    wait_until 120 sh -c '(exec 3<>/dev/tcp/127.0.0.1/5672)' \
+    wait_until 180 bash -c '(exec 3<>/dev/tcp/127.0.0.1/5672)' \
         || { echo "RabbitMQ did not start" >&2; return 1; }
 }
 

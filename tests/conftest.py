@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,9 +23,30 @@ def redis_client() -> redis.Redis:
     return client
 
 
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
+
 @pytest.fixture
 def queue(redis_client: redis.Redis) -> str:
     return f"q-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker(request: pytest.FixtureRequest, queue: str) -> Iterator[str]:
+    """Run the test on each broker; yields the broker URL workers and publishers use."""
+    from django.conf import settings
+    from kombu import Connection
+
+    url = settings.REDIS_URL if request.param == "redis" else RABBITMQ_URL
+    if request.param == "rabbitmq":
+        with Connection(url) as conn:
+            conn.ensure_connection(max_retries=3)  # fails loudly if RabbitMQ is down
+    yield url
+    if request.param == "rabbitmq":
+        # The test's queue was declared by its worker; it must not outlive the test
+        # (it was never declared if the test failed early: nothing to delete then).
+        with Connection(url) as conn, contextlib.suppress(Exception):
+            conn.channel().queue_delete(queue)
 
 
 @pytest.fixture
