@@ -277,17 +277,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
 
         limit_hit = self._over_delivery_limit(execution, request)
         if limit_hit is not None:
-            self._dead_letter_and_audit(
-                request,
-                args,
-                kwargs,
-                limit_hit,
-                started=started,
-                key=execution.key,
-                outcome_name="DELIVERY_LIMIT",
-                reason_name="DELIVERY_LIMIT",
-                execution=execution,
-            )
+            self._terminal(execution, request, args, kwargs, limit_hit, "DELIVERY_LIMIT")
             raise limit_hit
 
         if self.contract.dedup is not None and not self._claim_dedup(execution, request):
@@ -300,31 +290,11 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             self._audit(execution, "RETRY_SCHEDULED")
             raise
         except SoftTimeLimitExceeded as exc:
-            self._dead_letter_and_audit(
-                request,
-                args,
-                kwargs,
-                exc,
-                started=started,
-                key=execution.key,
-                outcome_name="MAX_RUN_TIME",
-                reason_name="MAX_RUN_TIME",
-                execution=execution,
-            )
+            self._terminal(execution, request, args, kwargs, exc, "MAX_RUN_TIME")
             raise
         except IdempotencyConflict as exc:
             metrics.duplicates_absorbed.labels(self.name, "arguments").inc()
-            self._dead_letter_and_audit(
-                request,
-                args,
-                kwargs,
-                exc,
-                started=started,
-                key=execution.key,
-                outcome_name="CONFLICT",
-                reason_name="CONFLICT",
-                execution=execution,
-            )
+            self._terminal(execution, request, args, kwargs, exc, "CONFLICT")
             raise
         except Exception as exc:
             self._handle_error(execution, request, args, kwargs, exc, started=started)
@@ -332,6 +302,28 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         if not execution.recorded:
             self._audit(execution, execution.outcome.name if execution.outcome else "SUCCEEDED")
         return result
+
+    def _terminal(
+        self,
+        execution: Execution,
+        request: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        exc: BaseException,
+        name: str,
+    ) -> None:
+        """Dead-letter the message and record the attempt; outcome and reason share a name."""
+        self._dead_letter_and_audit(
+            request,
+            args,
+            kwargs,
+            exc,
+            started=execution.started_at,
+            key=execution.key,
+            outcome_name=name,
+            reason_name=name,
+            execution=execution,
+        )
 
     def _over_delivery_limit(
         self, execution: Execution, request: Any
