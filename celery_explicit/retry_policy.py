@@ -14,6 +14,7 @@ hit again by every worker at the same instant (the retry storm).
 from __future__ import annotations
 
 import enum
+import math
 import random
 from dataclasses import dataclass
 
@@ -73,7 +74,12 @@ class RetryPolicy:
         over the computed delay: the downstream knows better than our formula.
         """
         retry_after = getattr(exc, "retry_after", None)
-        if isinstance(retry_after, int | float) and retry_after >= 0:
+        if (
+            isinstance(retry_after, int | float)
+            and not isinstance(retry_after, bool)
+            and math.isfinite(retry_after)
+            and retry_after >= 0
+        ):
             return float(retry_after)
         return backoff_delay(attempt, base=self.backoff_base, cap=self.backoff_cap, rng=rng)
 

@@ -61,8 +61,8 @@ def _record(
             queue=str((getattr(message, "delivery_info", None) or {}).get("routing_key") or ""),
         )
     except DatabaseError:
-        # Celery acks or rejects the message after this returns; the log line is then
-        # the only copy, so it carries the whole body.
+        # Celery has already rejected (or is about to ack) the message; the log line is
+        # then the only copy, so it carries the whole body.
         logger.exception(
             "could not dead-letter a message; its body follows",
             extra={"task": task_name, "job_id": task_id, "raw_body": raw},

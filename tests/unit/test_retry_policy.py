@@ -62,3 +62,9 @@ def test_backoff_is_full_jitter_under_a_cap() -> None:
 def test_backoff_rejects_attempt_zero() -> None:
     with pytest.raises(ValueError, match="attempt counts from 1"):
         backoff_delay(0, base=1, cap=2)
+
+
+def test_a_non_finite_retry_after_falls_back_to_backoff() -> None:
+    exc = Timeout()
+    exc.retry_after = float("inf")  # type: ignore[attr-defined]
+    assert 0 <= policy().delay(1, exc) <= 1.0
