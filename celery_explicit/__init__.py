@@ -20,6 +20,7 @@ from celery_explicit.errors import (
     LockNotOwned,
     RetryAfter,
     StaleFencingToken,
+    StaleVersion,
 )
 from celery_explicit.locks import LeaseLock
 from celery_explicit.retry_policy import Unclassified
@@ -44,4 +45,5 @@ __all__ = [
     "LockNotAcquired",
     "LockNotOwned",
     "StaleFencingToken",
+    "StaleVersion",
 ]

@@ -142,3 +142,16 @@ class StaleFencingToken(ExplicitError):
             f"Refused write to {target}: fencing token {token} is older than "
             f"the stored {current} (a newer holder already wrote)"
         )
+
+
+class StaleVersion(ExplicitError):
+    """A write carried a version older than the one already stored: refused."""
+
+    def __init__(self, target: str, *, version: int, current: int) -> None:
+        self.target = target
+        self.version = version
+        self.current = current
+        super().__init__(
+            f"Refused write to {target}: version {version} is older than the "
+            f"stored {current} (a later event was already applied)"
+        )

@@ -20,3 +20,14 @@ class Profile(models.Model):
 
     def __str__(self) -> str:
         return f"profile {self.user_id}"
+
+
+class OrderState(models.Model):
+    """An entity whose events may arrive out of order; keeps its last applied version."""
+
+    order_id = models.IntegerField(unique=True)
+    status = models.CharField(max_length=20, default="new")
+    version = models.BigIntegerField(null=True)
+
+    def __str__(self) -> str:
+        return f"order {self.order_id}: {self.status} (v{self.version})"
