@@ -4,11 +4,13 @@ Public API, by topic:
 
 - declaring a task: ``ExplicitTask``, ``effect`` (for handlers without ``bind=True``)
 - retry classification: ``RetryAfter``, ``Unclassified``
+- per-downstream limits: ``Downstream`` (see ``celery_explicit.downstream``)
 - lease locks: ``LeaseLock`` (see ``celery_explicit.locks``)
 - errors: ``ExplicitError`` (root), ``ContractError``, ``BadInput``,
   ``IdempotencyConflict``, ``LockError`` and its kinds, ``StaleFencingToken``
 """
 
+from celery_explicit.downstream import Downstream
 from celery_explicit.errors import (
     BadInput,
     ContractError,
@@ -33,6 +35,8 @@ __all__ = [
     # retry classification
     "RetryAfter",
     "Unclassified",
+    # per-downstream limits
+    "Downstream",
     # lease locks
     "LeaseLock",
     # errors

@@ -20,6 +20,7 @@ from typing import Any
 from celery import Task
 
 from celery_explicit import idempotency
+from celery_explicit.downstream import Downstream
 from celery_explicit.errors import ContractError
 from celery_explicit.retry_policy import RetryPolicy, Unclassified
 
@@ -38,6 +39,7 @@ DEFAULTS: Mapping[str, Any] = {
     "backoff_cap": 60.0,
     "max_deliveries": 5,
     "max_run_time": None,
+    "downstream": None,
 }
 
 #: Celery options that would quietly undo a contract, with what to declare instead.
@@ -98,6 +100,8 @@ class Contract:
     max_deliveries: int = 5
     #: Seconds a run may take before it is stopped (None: no limit declared).
     max_run_time: float | None = None
+    #: The dependency this task calls, with its shared limits (None: not declared).
+    downstream: Downstream | None = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,14 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
                 f"{expected:g}s: a normal run would be stopped",
                 "max_run_time",
             )
+    downstream = getattr(cls, "downstream", None)
+    if downstream is not None and not isinstance(downstream, Downstream):
+        raise refuse(
+            f"downstream={downstream!r} must be a celery_explicit.Downstream "
+            "(name, concurrency, failure_threshold, cool_down), shared by the tasks "
+            "that call it",
+            "downstream",
+        )
     base = _positive(getattr(cls, "backoff_base", DEFAULTS["backoff_base"]), "backoff_base", refuse)
     cap = _positive(getattr(cls, "backoff_cap", DEFAULTS["backoff_cap"]), "backoff_cap", refuse)
     if cap < base:
@@ -242,6 +254,7 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         dedup=_dedup(cls, params, takes_kwargs, refuse),
         max_deliveries=max_deliveries,
         max_run_time=max_run_time,
+        downstream=downstream,
     )
 
 

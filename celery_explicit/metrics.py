@@ -7,7 +7,7 @@ With the prefork pool every child counts in its own memory: set
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 executions = Counter(
     "explicit_executions_total",
@@ -71,4 +71,16 @@ lease_not_extended = Counter(
     "explicit_lease_not_extended_total",
     "Leases deliberately left to run out, by reason (a stopped pool child).",
     ["task", "reason"],
+)
+downstream_deferred = Counter(
+    "explicit_downstream_deferred_total",
+    "Executions deferred by a downstream's limits, by reason: open (breaker open), "
+    "probing (another execution is the probe), busy (concurrency limit).",
+    ["downstream", "reason"],
+)
+breaker_open = Gauge(
+    "explicit_breaker_open",
+    "1 while a downstream's circuit breaker is open, as last seen by this process.",
+    ["downstream"],
+    multiprocess_mode="max",
 )

@@ -28,7 +28,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task, current_task
-from celery.exceptions import InvalidTaskError, Reject, Retry, SoftTimeLimitExceeded
+from celery.exceptions import Ignore, InvalidTaskError, Reject, Retry, SoftTimeLimitExceeded
 from celery.worker.request import Request
 from django.db import DatabaseError
 from django.utils import timezone
@@ -36,6 +36,7 @@ from django.utils import timezone
 from celery_explicit import contract as contract_mod
 from celery_explicit import dedup as dedup_mod
 from celery_explicit import delivery_limit, idempotency, metrics
+from celery_explicit import downstream as downstream_mod
 from celery_explicit.errors import (
     BadInput,
     DeliveryLimitExceeded,
@@ -283,6 +284,8 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         if self.contract.dedup is not None and not self._claim_dedup(execution, request):
             return None
 
+        admitted = self._enter_downstream(execution, request, args, kwargs)
+        downstream_failed = False
         try:
             result = super().__call__(*args, **kwargs)
         except Retry:
@@ -297,8 +300,14 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             self._terminal(execution, request, args, kwargs, exc, "CONFLICT")
             raise
         except Exception as exc:
+            # Only a transient error counts against the downstream: a declined card is
+            # an answer, and our own bug is not the warehouse's fault.
+            downstream_failed = self.contract.retry.classify(exc) is Classification.RETRY
             self._handle_error(execution, request, args, kwargs, exc, started=started)
             raise
+        finally:
+            if admitted:
+                self._leave_downstream(execution, failed=downstream_failed)
         if not execution.recorded:
             self._audit(execution, execution.outcome.name if execution.outcome else "SUCCEEDED")
         return result
@@ -324,6 +333,70 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             reason_name=name,
             execution=execution,
         )
+
+    def _enter_downstream(
+        self, execution: Execution, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> bool:
+        """True if admitted to the declared downstream; defers the message (Ignore) if not."""
+        import redis
+
+        downstream = self.contract.downstream
+        if downstream is None:
+            return False
+        try:
+            verdict, state = downstream_mod.enter(
+                downstream, execution.task_id, slot_lease=self.contract.visibility_timeout
+            )
+        except redis.RedisError:
+            # The limits are a safety net: without Redis the job runs, loudly.
+            logger.warning(
+                "downstream %s: limits unavailable, running unguarded",
+                downstream.name,
+                extra={"task": self.name},
+            )
+            return False
+        if verdict == "admitted":
+            return True
+        delay = _rng.uniform(0.5, 1.5) * downstream.defer_base
+        metrics.downstream_deferred.labels(downstream.name, verdict).inc()
+        self._log(
+            f"deferred {delay:.2f}s: downstream {downstream.name} {verdict} ({state})",
+            execution,
+            layer="delivery",
+            downstream=downstream.name,
+            verdict=verdict,
+        )
+        again: dict[str, Any] = {_RETRY_OPTION: True}
+        try:
+            # The same job again later: same task id and retry count, no attempt used.
+            self.apply_async(
+                args,
+                kwargs,
+                task_id=execution.task_id,
+                countdown=delay,
+                retries=int(request.retries or 0),
+                queue=(request.delivery_info or {}).get("routing_key"),
+                **again,
+            )
+        except Exception as exc:
+            raise Reject(exc, requeue=True) from exc
+        raise Ignore()
+
+    def _leave_downstream(self, execution: Execution, *, failed: bool) -> None:
+        import redis
+
+        downstream = self.contract.downstream
+        assert downstream is not None
+        try:
+            state = downstream_mod.leave(downstream, execution.task_id, failed=failed)
+        except redis.RedisError:
+            logger.warning(
+                "downstream %s: could not free the slot (it expires with the lease)",
+                downstream.name,
+                extra={"task": self.name},
+            )
+            return
+        metrics.breaker_open.labels(downstream.name).set(1 if state == "open" else 0)
 
     def _over_delivery_limit(
         self, execution: Execution, request: Any

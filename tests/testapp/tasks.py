@@ -8,7 +8,7 @@ import time
 
 from django.db.models import F
 
-from celery_explicit import ExplicitTask, RetryAfter, effect
+from celery_explicit import Downstream, ExplicitTask, RetryAfter, effect
 from tests.celery_app import app
 from tests.testapp.models import Counter
 
@@ -290,6 +290,55 @@ class Overrun(ExplicitTask):
             time.sleep(5)  # ignores it: the hard limit kills the process
 
 
+WAREHOUSE = Downstream("test-warehouse", concurrency=1, failure_threshold=3, cool_down=1.5,
+                       defer_base=0.2)
+WIDE_WAREHOUSE = Downstream("test-wide-warehouse", concurrency=10, defer_base=0.2)
+
+
+class CallWarehouse(ExplicitTask):
+    """Calls a shared downstream; Redis flags simulate it being down, and record calls."""
+
+    name = "tests.call_warehouse"
+    idempotency_key = "warehouse:{job}"
+    downstream = WAREHOUSE
+    visibility_timeout = 10
+    expected_duration = 1
+    retry_on = (TransientError,)
+    fail_on = ()
+    max_attempts = 20
+    backoff_base = 0.05
+    backoff_cap = 0.2
+
+    def run(self, job: str, hold: float = 0.0) -> None:
+        import redis
+        from django.conf import settings
+
+        r = redis.Redis.from_url(settings.REDIS_URL)
+        family = self.contract.downstream.name if self.contract.downstream else "none"
+        inflight = r.incr(f"{family}:inflight")
+        try:
+            r.rpush(f"{family}:seen-inflight", inflight)
+            r.rpush(f"{family}:calls", job)
+            time.sleep(hold)
+            if r.get(f"{family}:down"):
+                raise TransientError(f"{family} timed out")
+        finally:
+            r.decr(f"{family}:inflight")
+        with self.effect() as eff:
+            if eff.done:
+                return
+            Counter.objects.filter(name=job).update(value=F("value") + 1)
+
+
+class CallWideWarehouse(CallWarehouse):
+    """Negative control for the concurrency limit: the same calls, a limit of 10."""
+
+    name = "tests.call_wide_warehouse"
+    downstream = WIDE_WAREHOUSE
+
+
+app.register_task(CallWarehouse())
+app.register_task(CallWideWarehouse())
 app.register_task(Overrun())
 app.register_task(KillsItsWorker())
 app.register_task(KillsItsWorkerUnlimited())

@@ -280,3 +280,17 @@ def test_max_run_time_sets_celery_limits_and_must_cover_a_normal_run() -> None:
     assert define().contract.max_run_time is None
     with pytest.raises(ContractError, match="max_run_time=2s is shorter than expected_duration"):
         define(max_run_time=2)
+
+
+def test_downstream_declaration_is_validated() -> None:
+    from celery_explicit import Downstream
+
+    wh = Downstream("wh", concurrency=2)
+    assert define(downstream=wh).contract.downstream is wh
+    with pytest.raises(ContractError, match="downstream='warehouse' must be a celery_explicit"):
+        define(downstream="warehouse")
+    for kwargs, needle in [({"concurrency": 0}, "concurrency=0"),
+                           ({"concurrency": 1, "cool_down": 0}, "cool_down=0"),
+                           ({"concurrency": 1, "failure_threshold": True}, "failure_threshold")]:
+        with pytest.raises(ValueError, match=f"Downstream 'wh': {needle}"):
+            Downstream("wh", **kwargs)  # type: ignore[arg-type]
