@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
+import re
 import time
 import uuid
 
 import pytest
+from django.core.management import call_command
 
 from celery_explicit import downstream as downstream_mod
 from django_outbox.models import Attempt, Outcome
@@ -64,6 +67,8 @@ def test_the_breaker_opens_defers_probes_and_closes(start_worker, queue, redis_c
     wait_for(lambda: downstream_mod.state(WAREHOUSE, redis_client=redis_client)["state"]
              == "open", timeout=30, what="the breaker to open")
     down_since = time.monotonic()
+    call_command("explicit_breakers", stdout=(out := io.StringIO()))
+    assert re.search(rf"{WAREHOUSE.name}\s+open\s+3", out.getvalue())
     time.sleep(4.0)  # open, probe (fails: still down), open again, probe...
     calls_while_down = redis_client.llen(f"{WAREHOUSE.name}:calls")
     redis_client.delete(f"{WAREHOUSE.name}:down")  # the warehouse recovers
