@@ -177,7 +177,10 @@ def state(
     """The breaker as an operator reads it (state, failures, opened_ms, probe)."""
     conn = redis_client or dedup.client()
     raw = conn.hgetall(_keys(downstream.name, prefix)[0])
-    return {_text(k): _text(v) for k, v in raw.items()} or {"state": "closed"}
+    info = {_text(k): _text(v) for k, v in raw.items()}
+    # Failures are counted before the breaker ever changes state: no 'state' field yet.
+    info.setdefault("state", BreakerState.CLOSED.value)
+    return info
 
 
 def _text(value: Any) -> str:

@@ -82,3 +82,11 @@ def test_the_breaker_opens_defers_probes_and_closes(start_worker, queue, redis_c
     assert set(Counter.objects.values_list("value", flat=True)) == {1}
     # Deferrals used no attempts: no job got anywhere near max_attempts=20.
     assert max(Attempt.objects.values_list("attempt", flat=True)) < 10
+
+
+def test_state_reads_closed_while_failures_are_below_the_threshold(redis_client) -> None:
+    downstream_mod.enter(WAREHOUSE, "t1", slot_lease=5, redis_client=redis_client)
+    assert downstream_mod.leave(WAREHOUSE, "t1", failed=True, redis_client=redis_client) \
+        == "closed"
+    assert downstream_mod.state(WAREHOUSE, redis_client=redis_client) == {
+        "state": "closed", "failures": "1"}
