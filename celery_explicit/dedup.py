@@ -17,10 +17,9 @@ letters skip dedup.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-DEFAULT_PREFIX = "explicit:"
+from celery_explicit.redis_state import PREFIX, client, text
 
 # KEYS[1] - the dedup mark for one (task, id)
 # ARGV[1] - the task id claiming it
@@ -45,24 +44,8 @@ end
 return 0
 """
 
-_clients: dict[str, Any] = {}
-_clients_lock = threading.Lock()
 
-
-def client() -> Any:
-    """The Redis client for dedup marks (``EXPLICIT_REDIS_URL``), one per process."""
-    import redis
-
-    from django_outbox.conf import settings
-
-    url = settings.redis_url
-    with _clients_lock:
-        if url not in _clients:
-            _clients[url] = redis.Redis.from_url(url)
-        return _clients[url]
-
-
-def mark_key(task_name: str, dedup_id: str, *, prefix: str = DEFAULT_PREFIX) -> str:
+def mark_key(task_name: str, dedup_id: str, *, prefix: str = PREFIX) -> str:
     return f"{prefix}dedup:{task_name}:{dedup_id}"
 
 
@@ -72,7 +55,7 @@ def claim(
     """Claim ``dedup_id`` for ``task_id``; return the task id that owns it."""
     conn = redis_client or client()
     owner = conn.eval(CLAIM, 1, mark_key(task_name, dedup_id), task_id, max(1, int(window * 1000)))
-    return owner.decode() if isinstance(owner, bytes) else str(owner)
+    return text(owner)
 
 
 def release(

@@ -17,19 +17,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_explicit import dedup
+from celery_explicit import redis_state
+from celery_explicit.redis_state import PREFIX
 
-DEFAULT_PREFIX = "explicit:"
 COUNT_TTL = 24 * 3600
 
 
-def count_key(task_id: str, retries: int, *, prefix: str = DEFAULT_PREFIX) -> str:
+def count_key(task_id: str, retries: int, *, prefix: str = PREFIX) -> str:
     return f"{prefix}redeliveries:{task_id}:{retries}"
 
 
 def count_delivery(task_id: str, retries: int, *, redis_client: Any | None = None) -> int:
     """Add this redelivery to the message's count; return the count including it."""
-    conn = redis_client or dedup.client()
+    conn = redis_client or redis_state.client()
     pipe = conn.pipeline()
     key = count_key(task_id, retries)
     pipe.incr(key)

@@ -23,9 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from celery_explicit import dedup
-
-DEFAULT_PREFIX = "explicit:"
+from celery_explicit import redis_state
+from celery_explicit.redis_state import PREFIX, text
 
 
 class BreakerState(enum.Enum):
@@ -130,11 +129,11 @@ def enter(
     task_id: str,
     *,
     slot_lease: float,
-    prefix: str = DEFAULT_PREFIX,
+    prefix: str = PREFIX,
     redis_client: Any | None = None,
 ) -> tuple[str, str]:
     """(verdict, breaker state): verdict ``admitted``, or why the execution is deferred."""
-    conn = redis_client or dedup.client()
+    conn = redis_client or redis_state.client()
     verdict, state = conn.eval(
         ENTER,
         2,
@@ -145,7 +144,7 @@ def enter(
         task_id,
         max(1, int(slot_lease * 1000)),
     )
-    return _text(verdict), _text(state)
+    return text(verdict), text(state)
 
 
 def leave(
@@ -153,12 +152,12 @@ def leave(
     task_id: str,
     *,
     failed: bool,
-    prefix: str = DEFAULT_PREFIX,
+    prefix: str = PREFIX,
     redis_client: Any | None = None,
 ) -> str:
     """Free the slot and feed the breaker; return its state after this execution."""
-    conn = redis_client or dedup.client()
-    return _text(
+    conn = redis_client or redis_state.client()
+    return text(
         conn.eval(
             LEAVE,
             2,
@@ -172,16 +171,20 @@ def leave(
 
 
 def state(
-    downstream: Downstream, *, prefix: str = DEFAULT_PREFIX, redis_client: Any | None = None
+    downstream: Downstream, *, prefix: str = PREFIX, redis_client: Any | None = None
 ) -> dict[str, str]:
     """The breaker as an operator reads it (state, failures, opened_ms, probe)."""
-    conn = redis_client or dedup.client()
+    conn = redis_client or redis_state.client()
     raw = conn.hgetall(_keys(downstream.name, prefix)[0])
-    info = {_text(k): _text(v) for k, v in raw.items()}
+    info = {text(k): text(v) for k, v in raw.items()}
     # Failures are counted before the breaker ever changes state: no 'state' field yet.
     info.setdefault("state", BreakerState.CLOSED.value)
     return info
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+def slots_in_use(
+    downstream: Downstream, *, prefix: str = PREFIX, redis_client: Any | None = None
+) -> int:
+    """Executions holding a slot of the concurrency limit right now."""
+    conn = redis_client or redis_state.client()
+    return int(conn.zcount(_keys(downstream.name, prefix)[1], time.time() * 1000, "+inf"))

@@ -40,10 +40,10 @@ from typing import Any
 from celery import bootsteps
 
 from celery_explicit import metrics
+from celery_explicit.redis_state import PREFIX, text
 
 logger = logging.getLogger("celery_explicit.lease")
 
-DEFAULT_PREFIX = "explicit:"
 #: Extend every lease at this fraction of its timeout.
 HEARTBEAT_FRACTION = 0.25
 #: Test and incident switch: set to "0" to stop extending (leases then run out).
@@ -70,7 +70,7 @@ return 1
 """
 
 
-def lease_key(task_id: str, *, prefix: str = DEFAULT_PREFIX) -> str:
+def lease_key(task_id: str, *, prefix: str = PREFIX) -> str:
     return f"{prefix}lease:{task_id}"
 
 
@@ -184,13 +184,13 @@ class LiveLease:
     delivery_tag: str
 
 
-def live_leases(client: Any, *, prefix: str = DEFAULT_PREFIX) -> list[LiveLease]:
+def live_leases(client: Any, *, prefix: str = PREFIX) -> list[LiveLease]:
     """Every lease record in the broker's Redis (SCAN, not KEYS)."""
     found = []
     now_ms = time.time() * 1000
     for raw_key in client.scan_iter(match=f"{prefix}lease:*", count=500, _type="HASH"):
-        key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
-        info = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+        key = text(raw_key)
+        info = {text(k): text(v) for k, v in client.hgetall(key).items()}
         if not info:
             continue  # acked or expired between SCAN and now
         found.append(

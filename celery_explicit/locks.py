@@ -32,10 +32,10 @@ from typing import Any
 
 from celery_explicit import metrics
 from celery_explicit.errors import LockConfigError, LockNotAcquired, LockNotOwned
+from celery_explicit.redis_state import PREFIX, text
 
 logger = logging.getLogger("celery_explicit.locks")
 
-DEFAULT_PREFIX = "explicit:"
 
 # The lock's value is "<token>|<fence>|<acquired_ms>|<owner>": one string, so taking it
 # is one SET NX PX; the 32-character token prefix is what release and extend compare.
@@ -95,7 +95,7 @@ class LiveLock:
 class LeaseLock:
     """One named lock. Not reentrant; one instance per holder (it keeps the token)."""
 
-    def __init__(self, client: Any, name: str, *, ttl: float, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, client: Any, name: str, *, ttl: float, prefix: str = PREFIX) -> None:
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
             raise LockConfigError(
                 name, f"Lock {name}: ttl must be a positive number of seconds, got {ttl!r}"
@@ -202,19 +202,19 @@ class LeaseLock:
         raise LockNotOwned(self.name, action=action, token=token)
 
 
-def live_locks(client: Any, *, prefix: str = DEFAULT_PREFIX) -> list[LiveLock]:
+def live_locks(client: Any, *, prefix: str = PREFIX) -> list[LiveLock]:
     """Every lock currently held, with owner, age and time left (SCAN, not KEYS)."""
     found = []
     now_ms = time.time() * 1000
     for raw_key in client.scan_iter(match=f"{prefix}lock:*", count=500, _type="STRING"):
-        key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+        key = text(raw_key)
         pipe = client.pipeline(transaction=False)
         pipe.get(key)
         pipe.pttl(key)
         value, pttl = pipe.execute()
         if not value or pttl < 0:
             continue  # released or expired between SCAN and now
-        _token, fence, acquired_ms, owner = value.decode().split("|", 3)
+        _token, fence, acquired_ms, owner = text(value).split("|", 3)
         found.append(
             LiveLock(
                 name=key[len(f"{prefix}lock:") :],

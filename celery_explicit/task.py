@@ -23,14 +23,14 @@ import traceback as tb
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task, current_task
 from celery.exceptions import Ignore, InvalidTaskError, Reject, Retry, SoftTimeLimitExceeded
 from celery.worker.request import Request
-from django.db import DatabaseError
+from django.db import DatabaseError, connections
 from django.utils import timezone
 
 from celery_explicit import contract as contract_mod
@@ -59,11 +59,9 @@ _rng = random.SystemRandom()
 class Execution:
     """What one execution knows about itself; kept on ``task.request.explicit``."""
 
-    task_name: str
     task_id: str
     key: str
     fingerprint: str
-    arguments: dict[str, Any]
     attempt: int
     started_at: datetime
     correlation_id: str
@@ -75,7 +73,6 @@ class Execution:
     recorded: bool = False
     #: False for a direct function call: no message, so no attempt row.
     audited: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class ExplicitTask(Task):  # type: ignore[type-arg]
@@ -147,54 +144,44 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         downstream sees the same key the ledger will use.
         """
         headers = dict(options.pop("headers", None) or {})
+        dedup_claim: tuple[str, str] | None = None
         if options.pop(_RETRY_OPTION, False):
-            # Re-publishing this job for a retry: its arguments were bound and its key
-            # rendered when it started, and it keeps its dedup claim (same task id).
-            # Nothing here may fail, or Celery would drop the message (Reject).
+            # Re-publishing this job for a retry or a deferral: its arguments were bound
+            # and its key rendered when it started, and it keeps its dedup claim (same
+            # task id). Nothing here may fail, or Celery would drop the message.
             running = getattr(self.request, "explicit", None)
             if isinstance(running, Execution):
                 headers[idempotency.KEY_HEADER] = running.key
                 headers.setdefault(idempotency.CORRELATION_HEADER, running.correlation_id)
-            return super().apply_async(
-                args,
-                kwargs,
-                task_id,
-                producer,
-                link,
-                link_error,
-                shadow,
-                headers=headers,
-                **options,
+        else:
+            _arguments, given = self.bind_arguments(tuple(args or ()), dict(kwargs or {}))
+            headers[idempotency.KEY_HEADER] = idempotency.render_key(
+                self.name, self.contract.idempotency_key, given
             )
-        _arguments, given = self.bind_arguments(tuple(args or ()), dict(kwargs or {}))
-        key = idempotency.render_key(self.name, self.contract.idempotency_key, given)
-        dedup = self.contract.dedup
-        dedup_claim: tuple[str, str] | None = None
-        if dedup is not None and idempotency.REPLAY_HEADER not in headers:
-            task_id = task_id or str(uuid.uuid4())
-            dedup_id = idempotency.render_key(self.name, dedup.key, given, label="dedup key")
-            owner = dedup_mod.claim(self.name, dedup_id, task_id, window=dedup.window)
-            if owner != task_id:
-                # Dropped: nothing is published; the caller gets the first message's
-                # result handle.
-                metrics.dedup_dropped.labels(self.name, "publish").inc()
-                logger.info(
-                    "dedup: message dropped at publish",
-                    extra={
-                        "task": self.name,
-                        "dedup_id": dedup_id,
-                        "job_id": owner,
-                        "layer": "delivery",
-                    },
-                )
-                return self.AsyncResult(owner)
-            dedup_claim = (dedup_id, task_id)
-        headers[idempotency.KEY_HEADER] = key
-        if idempotency.CORRELATION_HEADER not in headers:
-            parent = current_task.request if current_task else None
-            correlation = getattr(parent, idempotency.CORRELATION_HEADER, None) if parent else None
-            if correlation:
-                headers[idempotency.CORRELATION_HEADER] = correlation
+            dedup = self.contract.dedup
+            if dedup is not None and idempotency.REPLAY_HEADER not in headers:
+                task_id = task_id or str(uuid.uuid4())
+                dedup_id = idempotency.render_key(self.name, dedup.key, given, label="dedup key")
+                owner = dedup_mod.claim(self.name, dedup_id, task_id, window=dedup.window)
+                if owner != task_id:
+                    # Dropped: nothing is published; the caller gets the first
+                    # message's result handle.
+                    metrics.dedup_dropped.labels(self.name, "publish").inc()
+                    logger.info(
+                        "dedup: message dropped at publish",
+                        extra={
+                            "task": self.name,
+                            "dedup_id": dedup_id,
+                            "job_id": owner,
+                            "layer": "delivery",
+                        },
+                    )
+                    return self.AsyncResult(owner)
+                dedup_claim = (dedup_id, task_id)
+            if idempotency.CORRELATION_HEADER not in headers and current_task:
+                correlation = getattr(current_task.request, idempotency.CORRELATION_HEADER, None)
+                if correlation:
+                    headers[idempotency.CORRELATION_HEADER] = correlation
         try:
             return super().apply_async(
                 args,
@@ -303,7 +290,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             # Only a transient error counts against the downstream: a declined card is
             # an answer, and our own bug is not the warehouse's fault.
             downstream_failed = self.contract.retry.classify(exc) is Classification.RETRY
-            self._handle_error(execution, request, args, kwargs, exc, started=started)
+            self._handle_error(execution, request, args, kwargs, exc)
             raise
         finally:
             if admitted:
@@ -375,7 +362,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 task_id=execution.task_id,
                 countdown=delay,
                 retries=int(request.retries or 0),
-                queue=(request.delivery_info or {}).get("routing_key"),
+                queue=_delivery(request, "routing_key"),
                 **again,
             )
         except Exception as exc:
@@ -408,7 +395,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         """
         import redis
 
-        if not (request.delivery_info or {}).get("redelivered"):
+        if not _delivery(request, "redelivered"):
             return None
         try:
             redeliveries = delivery_limit.count_delivery(
@@ -463,20 +450,13 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         # arguments it is about to run with, and that one is the key of record.
         request.idempotency_key = key
         execution = Execution(
-            task_name=self.name,
             task_id=str(request.id or ""),
             key=key,
             fingerprint=idempotency.fingerprint(arguments),
-            arguments=arguments,
             attempt=int(request.retries or 0) + 1,
             started_at=started or timezone.now(),
             audited=not request.called_directly,
-            correlation_id=str(
-                getattr(request, idempotency.CORRELATION_HEADER, None)
-                or request.root_id
-                or request.id
-                or ""
-            ),
+            correlation_id=_correlation(request),
         )
         if self.contract.dedup is not None:
             execution.dedup_id = idempotency.render_key(
@@ -492,8 +472,6 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         exc: Exception,
-        *,
-        started: datetime,
     ) -> None:
         policy = self.contract.retry
         kind = policy.classify(exc)
@@ -514,7 +492,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             args,
             kwargs,
             exc,
-            started=started,
+            started=execution.started_at,
             key=execution.key,
             outcome_name=outcome,
             reason_name=reason,
@@ -531,9 +509,6 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         from django_outbox.models import Outcome
 
         execution = self._execution()
-
-        from django.db import connections
-
         alias = using or audit_settings.database
         # The attempt row joins the effect's commit only when that commit is the
         # effect's own and on the audit database; inside a caller's atomic() an outer
@@ -544,7 +519,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             and not connections[alias].in_atomic_block
         )
 
-        def attempt_row(claimed: Effect) -> list[audit.Statement]:
+        def attempt_row(claimed: Effect) -> list[ledger.Statement]:
             # Runs inside the effect's transaction, after the block: the attempt row
             # commits with the effect (one commit per job), and "applied" is never
             # recorded for an effect that rolled back.
@@ -609,7 +584,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             task_name=self.name,
             idempotency_key=execution.key,
             attempt=execution.attempt,
-            redelivered=bool((request.delivery_info or {}).get("redelivered")),
+            redelivered=bool(_delivery(request, "redelivered")),
             worker_host=str(request.hostname or ""),
             worker_pid=os.getpid(),
             started_at=execution.started_at,
@@ -683,12 +658,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         from django_outbox.models import DeadLetterReason
 
         attempt = execution.attempt if execution else int(request.retries or 0) + 1
-        correlation = str(
-            getattr(request, idempotency.CORRELATION_HEADER, None)
-            or request.root_id
-            or request.id
-            or ""
-        )
+        correlation = _correlation(request)
         reason = DeadLetterReason[reason_name]
         try:
             dead_letters.record(
@@ -703,7 +673,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 traceback="".join(tb.format_exception(exc)),
                 attempts=attempt,
                 correlation_id=correlation,
-                queue=str((request.delivery_info or {}).get("routing_key") or ""),
+                queue=str(_delivery(request, "routing_key") or ""),
             )
         except DatabaseError as db_exc:
             # The dead letter is the only copy once the message is acked: keep the
@@ -716,11 +686,9 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         metrics.dead_letters.labels(self.name, reason.value).inc()
         if execution is None:
             execution = Execution(
-                task_name=self.name,
                 task_id=str(request.id or ""),
                 key=key,
                 fingerprint="",
-                arguments={},
                 attempt=attempt,
                 started_at=started,
                 correlation_id=correlation,
@@ -753,7 +721,10 @@ def effect(*, using: str | None = None) -> Iterator[Effect]:
 
 
 class ExplicitRequest(Request):
-    """Worker main process: a body of the wrong shape is refused, not fatal.
+    """Worker main process: what happens to a message outside the handler.
+
+    A hard time limit that killed the handler is recorded (``on_timeout``), and a body
+    of the wrong shape is refused, not fatal:
 
     Celery unpacks a task body as ``[args, kwargs, embed]`` while building the request
     in the consumer; a body that decodes to anything else raises a ValueError there,
@@ -786,6 +757,21 @@ class ExplicitRequest(Request):
             raise InvalidTaskError(
                 f"body of task {headers.get('task')!r} is not [args, kwargs, embed]: {exc}"
             ) from exc
+
+
+def _correlation(request: Any) -> str:
+    """The request that caused this job: the header, else Celery's root task id."""
+    return str(
+        getattr(request, idempotency.CORRELATION_HEADER, None)
+        or request.root_id
+        or request.id
+        or ""
+    )
+
+
+def _delivery(request: Any, name: str) -> Any:
+    """A field of the broker's delivery info (routing key, redelivered flag)."""
+    return (request.delivery_info or {}).get(name)
 
 
 def _qualname(exc: BaseException | None) -> str:

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from django.db import DatabaseError, connections
 
 from django_outbox.conf import settings
+from django_outbox.ledger import Statement
 from django_outbox.models import Attempt, Outcome
 
 logger = logging.getLogger("django_outbox.audit")
-
-Statement = tuple[str, Sequence[Any]]
 
 
 def attempt_fields(

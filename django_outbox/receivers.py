@@ -41,16 +41,25 @@ def _args_from_body(text: str) -> tuple[Any, Any]:
 
 
 def _record(
-    *, task_id: str | None, task_name: str, message: Any, error_class: str, error_message: str
+    *,
+    task_id: str | None,
+    task_name: str,
+    message: Any,
+    error_class: str,
+    error_message: str,
+    reason: DeadLetterReason = DeadLetterReason.BAD_INPUT,
+    args: Any = None,
+    kwargs: Any = None,
 ) -> None:
     headers = dict(getattr(message, "headers", None) or {})
     raw = _body_text(message)
-    args, kwargs = _args_from_body(raw)
+    if args is None:
+        args, kwargs = _args_from_body(raw)
     try:
         dead_letters.record(
             task_id=task_id,
             task_name=task_name,
-            reason=DeadLetterReason.BAD_INPUT,
+            reason=reason,
             args=args,
             kwargs=kwargs,
             raw_body=raw,
@@ -68,7 +77,7 @@ def _record(
             extra={"task": task_name, "job_id": task_id, "raw_body": raw},
         )
         return
-    metrics.dead_letters.labels(task_name, DeadLetterReason.BAD_INPUT.value).inc()
+    metrics.dead_letters.labels(task_name, reason.value).inc()
 
 
 @signals.task_unknown.connect
@@ -126,24 +135,14 @@ def record_hard_timeout(
     *, task_id: str | None, task_name: str, message: Any, timeout: float, args: Any, kwargs: Any
 ) -> None:
     """Worker main process: the hard time limit killed a handler past max_run_time."""
-    headers = dict(getattr(message, "headers", None) or {})
-    try:
-        dead_letters.record(
-            task_id=task_id,
-            task_name=task_name,
-            reason=DeadLetterReason.MAX_RUN_TIME,
-            args=list(args or ()),
-            kwargs=dict(kwargs or {}),
-            idempotency_key=str(headers.get(KEY_HEADER) or ""),
-            error_class="billiard.exceptions.TimeLimitExceeded",
-            error_message=f"Task {task_name}: killed by the hard time limit after "
-            f"{timeout:g}s (max_run_time exceeded, soft limit ignored)",
-            correlation_id=str(headers.get(CORRELATION_HEADER) or ""),
-            queue=str((getattr(message, "delivery_info", None) or {}).get("routing_key") or ""),
-        )
-    except DatabaseError:
-        logger.exception(
-            "could not dead-letter a timed-out job", extra={"task": task_name, "job_id": task_id}
-        )
-        return
-    metrics.dead_letters.labels(task_name, DeadLetterReason.MAX_RUN_TIME.value).inc()
+    _record(
+        task_id=task_id,
+        task_name=task_name,
+        message=message,
+        reason=DeadLetterReason.MAX_RUN_TIME,
+        args=list(args or ()),
+        kwargs=dict(kwargs or {}),
+        error_class="billiard.exceptions.TimeLimitExceeded",
+        error_message=f"Task {task_name}: killed by the hard time limit after {timeout:g}s "
+        "(max_run_time exceeded, soft limit ignored)",
+    )

@@ -13,7 +13,14 @@ from django.core.management import call_command
 from celery_explicit import downstream as downstream_mod
 from django_outbox.models import Attempt, Outcome
 from tests.testapp.models import Counter
-from tests.testapp.tasks import WAREHOUSE, WIDE_WAREHOUSE, CallWarehouse, CallWideWarehouse
+from tests.testapp.tasks import (
+    NO_BREAKER,
+    WAREHOUSE,
+    WIDE_WAREHOUSE,
+    CallWarehouse,
+    CallWarehouseNoBreaker,
+    CallWideWarehouse,
+)
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
@@ -22,7 +29,7 @@ pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 @pytest.fixture(autouse=True)
 def clean_downstreams(redis_client):  # type: ignore[no-untyped-def]
     def wipe() -> None:
-        for d in (WAREHOUSE, WIDE_WAREHOUSE):
+        for d in (WAREHOUSE, WIDE_WAREHOUSE, NO_BREAKER):
             keys = [f"explicit:breaker:{d.name}", f"explicit:slots:{d.name}",
                     f"{d.name}:inflight", f"{d.name}:seen-inflight", f"{d.name}:calls",
                     f"{d.name}:down"]
@@ -82,6 +89,20 @@ def test_the_breaker_opens_defers_probes_and_closes(start_worker, queue, redis_c
     assert set(Counter.objects.values_list("value", flat=True)) == {1}
     # Deferrals used no attempts: no job got anywhere near max_attempts=20.
     assert max(Attempt.objects.values_list("attempt", flat=True)) < 10
+
+
+def test_negative_control_without_a_breaker_retries_hammer_the_downstream(
+        start_worker, queue, redis_client) -> None:
+    jobs = [uuid.uuid4().hex[:8] for _ in range(4)]
+    Counter.objects.bulk_create(Counter(name=j) for j in jobs)
+    redis_client.set(f"{NO_BREAKER.name}:down", 1)
+    start_worker(concurrency=2)
+    for job in jobs:
+        CallWarehouseNoBreaker().apply_async(args=[job], queue=queue)
+    time.sleep(5.0)
+    # The bound the breaker test holds for ~4 s down (3 + one per 1.5 s + 3) is broken.
+    assert redis_client.llen(f"{NO_BREAKER.name}:calls") > 3 + int(5.0 / 1.5) + 3
+    redis_client.delete(f"{NO_BREAKER.name}:down")
 
 
 def test_state_reads_closed_while_failures_are_below_the_threshold(redis_client) -> None:

@@ -17,7 +17,7 @@ from django.core.management import call_command
 from celery_explicit.lease import live_leases
 from django_outbox.models import Attempt, Outcome
 from tests.testapp.models import Counter
-from tests.testapp.tasks import SlowShip
+from tests.testapp.tasks import SlowShip, increment_unguarded
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
@@ -117,3 +117,18 @@ def test_a_stopped_child_loses_its_lease_and_another_worker_takes_the_job(
     wait_for(lambda: Attempt.objects.filter(outcome=Outcome.ALREADY_APPLIED).exists(),
              timeout=20, what="the resumed execution")
     assert Counter.objects.get(name=order).value == 1
+
+
+def test_negative_control_a_plain_task_of_a_killed_worker_waits_for_the_global_timeout(
+        start_worker, queue, redis_client) -> None:
+    Counter.objects.create(name="plain")
+    a = start_worker(concurrency=1)
+    increment_unguarded.apply_async(kwargs={"name": "plain", "op_id": "1", "hold": 4.0},
+                                    queue=queue)
+    # Its message is held unacknowledged by worker a (no lease of its own).
+    wait_for(lambda: redis_client.hlen("unacked") and a.log().count(" received") >= 1,
+             timeout=20, what="the plain job to start")
+    start_worker(concurrency=1)
+    os.killpg(a.process.pid, signal.SIGKILL)
+    time.sleep(10.0)  # where the ExplicitTask above had long run again
+    assert Counter.objects.get(name="plain").value == 0  # not rerun: waits the 60 s backstop

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, Outcome
-from tests.testapp.tasks import Overrun
+from tests.testapp.tasks import Overrun, UnlimitedOverrun
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
@@ -27,3 +27,12 @@ def test_soft_and_hard_limits_stop_the_run_and_leave_a_dead_letter(start_worker,
     assert "killed by the hard time limit" in letters[stubborn.id].error_message
     assert letters[stubborn.id].args == ["stubborn", True]
     assert worker.alive()
+
+
+def test_negative_control_without_a_limit_the_long_run_completes(start_worker, queue) -> None:
+    start_worker()
+    UnlimitedOverrun().apply_async(args=["free"], queue=queue)
+    attempt = wait_for(lambda: Attempt.objects.first(), timeout=30, what="the attempt")
+    assert attempt.outcome == Outcome.SUCCEEDED
+    assert attempt.duration_ms >= 1900  # it ran past where a 1 s limit would stop it
+    assert not DeadLetter.objects.exists()

@@ -293,6 +293,9 @@ class Overrun(ExplicitTask):
 WAREHOUSE = Downstream("test-warehouse", concurrency=1, failure_threshold=3, cool_down=1.5,
                        defer_base=0.2)
 WIDE_WAREHOUSE = Downstream("test-wide-warehouse", concurrency=10, defer_base=0.2)
+# Negative control for the breaker: a threshold it never reaches.
+NO_BREAKER = Downstream("test-no-breaker", concurrency=1, failure_threshold=10_000,
+                        defer_base=0.2)
 
 
 class CallWarehouse(ExplicitTask):
@@ -337,6 +340,27 @@ class CallWideWarehouse(CallWarehouse):
     downstream = WIDE_WAREHOUSE
 
 
+class CallWarehouseNoBreaker(CallWarehouse):
+    name = "tests.call_warehouse_no_breaker"
+    downstream = NO_BREAKER
+
+
+class UnlimitedOverrun(ExplicitTask):
+    """Negative control for max_run_time: the same 2 s run with no limit declared."""
+
+    name = "tests.unlimited_overrun"
+    idempotency_key = "unlimited:{job}"
+    visibility_timeout = 4
+    expected_duration = 0.5
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, job: str) -> None:
+        time.sleep(2)
+
+
+app.register_task(CallWarehouseNoBreaker())
+app.register_task(UnlimitedOverrun())
 app.register_task(CallWarehouse())
 app.register_task(CallWideWarehouse())
 app.register_task(Overrun())

@@ -46,7 +46,7 @@ class Command(BaseCommand):
                 if opened and state["state"] != "closed"
                 else "-"
             )
-            used = client.zcount(f"{downstream_mod.DEFAULT_PREFIX}slots:{name}", now_ms, "+inf")
+            used = downstream_mod.slots_in_use(d, redis_client=client)
             self.stdout.write(
                 f"{name:<24} {state['state']:<10} {state.get('failures', '0'):>8} "
                 f"{open_for:>9} {used:>4}/{d.concurrency:<4}"

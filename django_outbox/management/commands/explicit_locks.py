@@ -8,6 +8,7 @@ import redis
 from django.core.management.base import BaseCommand, CommandParser
 
 from celery_explicit import locks
+from celery_explicit.redis_state import PREFIX
 from django_outbox.conf import settings
 
 
@@ -16,7 +17,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
-            "--prefix", default=locks.DEFAULT_PREFIX, help="key prefix the locks were created with"
+            "--prefix", default=PREFIX, help="key prefix the locks were created with"
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
