@@ -6,6 +6,8 @@ Each model answers one operator question:
 - ``Attempt``: every time a worker ran the handler, and how it ended. (execution)
 - ``DeadLetter``: messages that will not run again by themselves, and why. (delivery
   or execution that needs a human)
+- ``Fence``: which execution of a key took its lease over, so a paused one that wakes
+  up cannot commit. (concurrency)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Outcome(models.TextChoices):
     DEDUPLICATED = "deduplicated", "dropped: another message owns its dedup id"
     DELIVERY_LIMIT = "delivery_limit", "not run: delivered more than max_deliveries times"
     MAX_RUN_TIME = "max_run_time", "stopped: ran longer than max_run_time"
+    FENCED = "fenced", "refused: lost its lease to a newer execution (stale fencing token)"
 
 
 class DeadLetterReason(models.TextChoices):
@@ -39,6 +42,7 @@ class DeadLetterReason(models.TextChoices):
     CONFLICT = "conflict", "idempotency conflict"
     DELIVERY_LIMIT = "delivery_limit", "delivered more than max_deliveries times"
     MAX_RUN_TIME = "max_run_time", "ran longer than max_run_time"
+    UNKNOWN_TASK = "unknown_task", "no such task is registered"
 
 
 class DeadLetterStatus(models.TextChoices):
@@ -73,6 +77,27 @@ class ProcessedOperation(models.Model):
 
     def __str__(self) -> str:
         return self.key
+
+
+class Fence(models.Model):
+    """The newest fencing token announced for an idempotency key.
+
+    Written only when an execution takes over a lease that another execution lost
+    (expired while that one was paused or stopped); the loser's ``effect()`` reads it
+    in its commit and is refused. No row: nobody ever took a lease over.
+    """
+
+    key = models.CharField(max_length=255, primary_key=True)
+    token = models.BigIntegerField()
+    task_id = models.CharField(max_length=255, blank=True, default="")
+    taken_over_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "django_outbox_fence"
+        verbose_name = "fence (lease takeover)"
+
+    def __str__(self) -> str:
+        return f"{self.key} >= {self.token}"
 
 
 class Attempt(models.Model):
