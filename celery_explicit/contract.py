@@ -40,6 +40,8 @@ DEFAULTS: Mapping[str, Any] = {
     "max_deliveries": 5,
     "max_run_time": None,
     "downstream": None,
+    "ordering_key": None,
+    "ordering_gap": None,
 }
 
 #: Celery options that would quietly undo a contract, with what to declare instead.
@@ -102,12 +104,22 @@ class Contract:
     max_run_time: float | None = None
     #: The dependency this task calls, with its shared limits (None: not declared).
     downstream: Downstream | None = None
+    #: Per-entity ordering: jobs with one rendered key run one at a time, in publish
+    #: order (None: not declared).
+    ordering: Ordering | None = None
 
 
 @dataclass(frozen=True)
 class Dedup:
     key: idempotency.KeyDeclaration
     window: float
+
+
+@dataclass(frozen=True)
+class Ordering:
+    key: idempotency.KeyDeclaration
+    #: Seconds a job waits for a missing earlier one before going ahead without it.
+    gap: float
 
 
 def declared_names() -> frozenset[str]:
@@ -255,6 +267,7 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         max_deliveries=max_deliveries,
         max_run_time=max_run_time,
         downstream=downstream,
+        ordering=_ordering(cls, params, takes_kwargs, refuse, visibility, cap),
     )
 
 
@@ -361,6 +374,33 @@ def _dedup(cls: type, params: tuple[str, ...], takes_kwargs: bool, refuse: Refus
             "dedup_window",
         )
     return Dedup(key=key, window=_positive(window, "dedup_window", refuse))
+
+
+def _ordering(
+    cls: type,
+    params: tuple[str, ...],
+    takes_kwargs: bool,
+    refuse: Refuse,
+    visibility: float,
+    backoff_cap: float,
+) -> Ordering | None:
+    declared_key = getattr(cls, "ordering_key", None)
+    gap = getattr(cls, "ordering_gap", None)
+    if declared_key is None:
+        if gap is not None:
+            raise refuse(
+                "ordering_gap is declared without ordering_key: declare the entity "
+                "whose jobs run in order, e.g. ordering_key='order:{order_id}'",
+                "ordering_gap",
+            )
+        return None
+    key = _key_declaration(cls, "ordering_key", "'order:{order_id}'", task_name=_task_name(cls))
+    _check_key_fields(key, params, takes_kwargs, refuse, "ordering_key")
+    if gap is None:
+        # Long enough for the job ahead to lose its lease, be redelivered and wait out a
+        # full backoff: only a job that will never come is skipped.
+        return Ordering(key=key, gap=2 * visibility + backoff_cap)
+    return Ordering(key=key, gap=_positive(gap, "ordering_gap", refuse))
 
 
 def _positive(value: object, field: str, refuse: Refuse) -> float:

@@ -25,7 +25,10 @@ hash with owner (host:pid), deadline, extensions and the delivery tag, expiring 
 the lease. The global ``visibility_timeout`` stays as the backstop and must be longer
 than every task's lease (``manage.py check``: django_outbox.E003).
 
-Redis broker only; on RabbitMQ the broker redelivers on connection loss, not on time.
+The visibility part is for the Redis broker only; on RabbitMQ the broker redelivers on
+connection loss, not on time. On every broker the same heartbeat extends each running
+handler's execution lease (``celery_explicit.execution_lease``), which keeps a second
+delivery of a job from running while the first is alive.
 """
 
 from __future__ import annotations
@@ -101,9 +104,6 @@ class LeaseKeeper(bootsteps.StartStopStep):
         self._leased: set[str] = set()
 
     def start(self, parent: Any) -> None:
-        channel = parent.connection.default_channel
-        if getattr(parent.connection.transport, "driver_type", "") != "redis":
-            return
         from celery_explicit.task import ExplicitTask
 
         leases = [
@@ -114,9 +114,10 @@ class LeaseKeeper(bootsteps.StartStopStep):
         if not leases:
             return
         interval = max(0.2, min(10.0, min(leases) * HEARTBEAT_FRACTION))
-        # Script objects run on the client passed at call time; never on
-        # channel.client itself, whose connection may be blocked in BRPOP.
-        self._script = channel.client.register_script(EXTEND)
+        if getattr(parent.connection.transport, "driver_type", "") == "redis":
+            # Script objects run on the client passed at call time; never on
+            # channel.client itself, whose connection may be blocked in BRPOP.
+            self._script = parent.connection.default_channel.client.register_script(EXTEND)
         self._tref = parent.timer.call_repeatedly(interval, self.tick, (parent,))
 
     def stop(self, parent: Any) -> None:
@@ -127,14 +128,41 @@ class LeaseKeeper(bootsteps.StartStopStep):
     def tick(self, parent: Any) -> None:
         from celery.worker import state
 
+        reserved = list(state.reserved_requests)
+        self._extend_execution_leases(reserved)
+        if self._script is None:
+            return  # not the Redis transport: the broker has no visibility timeout
         channel = parent.connection.default_channel
         try:
             # A pooled connection, never channel.client's own: that one may be blocked
             # in BRPOP, and a reply read by the wrong reader stops the worker.
             with channel.conn_or_acquire() as client:
-                self._extend_all(channel, client, list(state.reserved_requests))
+                self._extend_all(channel, client, reserved)
         except channel.connection_errors:
             logger.warning("could not extend leases: broker connection lost")
+
+    def _extend_execution_leases(self, reserved: list[Any]) -> None:
+        """Extend the execution lease of each live, running handler (any broker)."""
+        import redis
+
+        from celery_explicit import execution_lease, redis_state
+        from celery_explicit.task import ExplicitTask
+
+        if not execution_lease.enabled() or os.environ.get(EXTEND_ENV) == "0":
+            return
+        leases = []
+        for request in reserved:
+            pid = request.worker_pid
+            if not isinstance(request.task, ExplicitTask) or not pid:
+                continue  # not started in a pool child yet: it holds no lease
+            if child_is_stopped(pid):
+                continue  # counted by the visibility lease below (Redis) or not at all
+            owner = f"{self._host}:{pid}"
+            leases.append((request.id, owner, request.task.contract.visibility_timeout))
+        try:
+            execution_lease.extend_all(redis_state.client(), leases)
+        except redis.RedisError:
+            logger.warning("could not extend execution leases: Redis unavailable")
 
     def _extend_all(self, channel: Any, client: Any, reserved: list[Any]) -> None:
         from celery_explicit.task import ExplicitTask
@@ -153,7 +181,11 @@ class LeaseKeeper(bootsteps.StartStopStep):
             pid = request.worker_pid
             if child_is_stopped(pid):
                 metrics.lease_not_extended.labels(task.name, "child_stopped").inc()
-                continue
+                if request.id in self._leased:
+                    continue
+                # Stopped before its first heartbeat: its message still has kombu's
+                # score (its delivery time), so it would wait out the global timeout.
+                # Give it its own lease once; it runs out T from now.
             lease = task.contract.visibility_timeout
             deadline = now + lease
             moved = self._script(

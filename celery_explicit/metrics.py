@@ -84,3 +84,33 @@ breaker_open = Gauge(
     ["downstream"],
     multiprocess_mode="max",
 )
+redeliveries = Counter(
+    "explicit_redeliveries_total",
+    "Messages the broker delivered again (delivery layer; retries are not counted), by "
+    "cause: lease_expired (the execution lease ran out: a stopped or dead worker on "
+    "another host), holder_dead (its process died on this host), broker (no live "
+    "execution held it: a connection loss after the end, a requeue).",
+    ["task", "cause"],
+)
+concurrent_deferred = Counter(
+    "explicit_concurrent_executions_deferred_total",
+    "Deliveries deferred because another live execution of the same job holds its "
+    "execution lease (delivery layer).",
+    ["task"],
+)
+fenced_commits = Counter(
+    "explicit_fenced_commits_total",
+    "Effects refused at commit: the execution had lost its lease to a newer one (effect layer).",
+    ["task"],
+)
+ordering_deferred = Counter(
+    "explicit_ordering_deferred_total",
+    "Deliveries deferred because an earlier job of the same entity has not ended (delivery layer).",
+    ["task"],
+)
+ordering_skipped = Counter(
+    "explicit_ordering_skipped_total",
+    "Times a job went ahead after the jobs before it in its entity never came within "
+    "ordering_gap (delivery layer).",
+    ["task"],
+)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from celery import Task, current_task
 from celery.exceptions import Ignore, InvalidTaskError, Reject, Retry, SoftTimeLimitExceeded
@@ -35,13 +35,15 @@ from django.utils import timezone
 
 from celery_explicit import contract as contract_mod
 from celery_explicit import dedup as dedup_mod
-from celery_explicit import delivery_limit, idempotency, metrics
+from celery_explicit import delivery_limit, execution_lease, idempotency, metrics
 from celery_explicit import downstream as downstream_mod
+from celery_explicit import ordering as ordering_mod
 from celery_explicit.errors import (
     BadInput,
     DeliveryLimitExceeded,
     ExplicitError,
     IdempotencyConflict,
+    StaleFencingToken,
 )
 from celery_explicit.retry_policy import Classification
 
@@ -73,6 +75,10 @@ class Execution:
     recorded: bool = False
     #: False for a direct function call: no message, so no attempt row.
     audited: bool = True
+    #: The execution lease's fencing token (None: no lease, e.g. a direct call).
+    fence: int | None = None
+    #: Its effect was refused: a newer execution of this job took the lease over.
+    lost_lease: bool = False
 
 
 class ExplicitTask(Task):  # type: ignore[type-arg]
@@ -93,6 +99,8 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
     fail_on: ClassVar[tuple[type[BaseException], ...] | None] = None
     dedup_key: ClassVar[idempotency.KeyDeclaration | None] = None
     dedup_window: ClassVar[float | None] = None
+    ordering_key: ClassVar[idempotency.KeyDeclaration | None] = None
+    ordering_gap: ClassVar[float | None] = None
     unclassified: ClassVar[str] = "permanent"
     max_attempts: ClassVar[int] = 5
     backoff_base: ClassVar[float] = 1.0
@@ -145,6 +153,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         """
         headers = dict(options.pop("headers", None) or {})
         dedup_claim: tuple[str, str] | None = None
+        taken_place: tuple[str, int] | None = None
         if options.pop(_RETRY_OPTION, False):
             # Re-publishing this job for a retry or a deferral: its arguments were bound
             # and its key rendered when it started, and it keeps its dedup claim (same
@@ -153,6 +162,10 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             if isinstance(running, Execution):
                 headers[idempotency.KEY_HEADER] = running.key
                 headers.setdefault(idempotency.CORRELATION_HEADER, running.correlation_id)
+            place = _ordering_place(self.request)
+            if place is not None:
+                # Its place in its entity's order does not change when it runs again.
+                headers[ordering_mod.KEY_HEADER], headers[ordering_mod.SEQ_HEADER] = place
         else:
             _arguments, given = self.bind_arguments(tuple(args or ()), dict(kwargs or {}))
             headers[idempotency.KEY_HEADER] = idempotency.render_key(
@@ -178,6 +191,14 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                     )
                     return self.AsyncResult(owner)
                 dedup_claim = (dedup_id, task_id)
+            ordering = self.contract.ordering
+            if ordering is not None:
+                order_key = idempotency.render_key(
+                    self.name, ordering.key, given, label="ordering key"
+                )
+                seq = ordering_mod.take_number(order_key)
+                headers[ordering_mod.KEY_HEADER], headers[ordering_mod.SEQ_HEADER] = order_key, seq
+                taken_place = (order_key, seq)
             if idempotency.CORRELATION_HEADER not in headers and current_task:
                 correlation = getattr(current_task.request, idempotency.CORRELATION_HEADER, None)
                 if correlation:
@@ -195,6 +216,9 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 **options,
             )
         except BaseException:
+            if taken_place is not None:
+                # Never published: the jobs behind it in its entity must not wait for it.
+                ordering_mod.give_back(*taken_place)
             if dedup_claim is not None:
                 # Nothing was published: give the id back, or every resend inside the
                 # window would be dropped in favour of a job that does not exist.
@@ -209,6 +233,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         its backoff, but it is not lost), and skip re-validation on the re-publish.
         """
         options: dict[str, Any] = {_RETRY_OPTION: True}
+        self._hand_back_execution_lease()
         try:
             retry: Retry = self.retry(exc=exc, countdown=countdown, max_retries=None, **options)
         except Reject as reject:
@@ -246,7 +271,26 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             # but the same key so ``effect()`` still guards the effect.
             self._begin(request, args, kwargs)
             return super().__call__(*args, **kwargs)
+        ends_job = True
+        try:
+            return self._deliver(request, args, kwargs)
+        except (Retry, Ignore):
+            # A retry is scheduled, or the job was deferred: it is not over yet. (Ignore
+            # is also how a handler drops its own message; an ordered entity then waits
+            # out its gap.)
+            ends_job = False
+            raise
+        except Reject as reject:
+            ends_job = not getattr(reject, "requeue", False)
+            raise
+        finally:
+            execution = getattr(request, "explicit", None)
+            if isinstance(execution, Execution) and execution.lost_lease:
+                ends_job = False  # the job goes on in the execution that took it over
+            if ends_job and self.contract.ordering is not None:
+                self._pass_turn(request)
 
+    def _deliver(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         started = timezone.now()
         try:
             execution = self._begin(request, args, kwargs, started=started)
@@ -271,6 +315,81 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         if self.contract.dedup is not None and not self._claim_dedup(execution, request):
             return None
 
+        if self.contract.ordering is not None:
+            self._wait_for_turn(execution, request, args, kwargs)
+
+        self._take_execution_lease(execution, request, args, kwargs)
+        try:
+            return self._run_leased(execution, request, args, kwargs)
+        finally:
+            if execution.fence is not None:
+                self._release_execution_lease(execution)
+
+    def _wait_for_turn(
+        self, execution: Execution, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Run only when every earlier job of this entity has ended; defer otherwise."""
+        import redis
+
+        ordering = self.contract.ordering
+        assert ordering is not None
+        place = _ordering_place(request)
+        if place is None:
+            # Published without a number (before ordering_key was declared, or by
+            # send_task): it has no place to wait for.
+            return
+        key, seq = place
+        try:
+            turn = ordering_mod.turn(key, seq, execution.task_id, gap=ordering.gap)
+        except redis.RedisError:
+            logger.warning(
+                "ordering of %s unavailable: running out of turn",
+                key,
+                extra={"task": self.name, "job_id": execution.task_id},
+            )
+            return
+        if turn.skipped_ahead:
+            metrics.ordering_skipped.labels(self.name).inc()
+            logger.warning(
+                "ordering %s: jobs %s..%s never came within %.0fs; job %s goes ahead",
+                key,
+                turn.next_seq,
+                seq - 1,
+                ordering.gap,
+                seq,
+                extra={"task": self.name, "job_id": execution.task_id},
+            )
+        if turn.run:
+            return
+        metrics.ordering_deferred.labels(self.name).inc()
+        delay = _rng.uniform(0.2, 1.0)
+        self._log(
+            f"deferred {delay:.2f}s: {key} job {seq} waits for job {turn.next_seq}",
+            execution,
+            layer="delivery",
+            ordering_key=key,
+        )
+        self._defer(execution, request, args, kwargs, delay)
+
+    def _pass_turn(self, request: Any) -> None:
+        """This job ended for good: the next job of its entity may run."""
+        import redis
+
+        place = _ordering_place(request)
+        if place is None:
+            return
+        try:
+            ordering_mod.done(*place)
+        except redis.RedisError:
+            logger.warning(
+                "ordering %s: could not pass the turn on (the next job waits out the gap)",
+                place[0],
+                extra={"task": self.name, "job_id": request.id},
+            )
+
+    def _run_leased(
+        self, execution: Execution, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         admitted = self._enter_downstream(execution, request, args, kwargs)
         downstream_failed = False
         try:
@@ -286,6 +405,14 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             metrics.duplicates_absorbed.labels(self.name, "arguments").inc()
             self._terminal(execution, request, args, kwargs, exc, "CONFLICT")
             raise
+        except StaleFencingToken as exc:
+            # This execution lost its lease while paused and a newer one runs the job
+            # now: nothing of this attempt committed, and the message is the newer
+            # one's to finish. Recorded, not retried, not dead-lettered.
+            metrics.fenced_commits.labels(self.name).inc()
+            execution.lost_lease = True
+            self._audit(execution, "FENCED", exc=exc)
+            return None
         except Exception as exc:
             # Only a transient error counts against the downstream: a declined card is
             # an answer, and our own bug is not the warehouse's fault.
@@ -321,6 +448,107 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             execution=execution,
         )
 
+    def _take_execution_lease(
+        self, execution: Execution, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Hold the job's execution lease, or defer this delivery (see execution_lease)."""
+        import redis
+
+        redelivered = bool(_delivery(request, "redelivered"))
+        if not execution_lease.enabled():
+            return
+        try:
+            lease = execution_lease.acquire(execution.task_id, ttl=self.contract.visibility_timeout)
+        except redis.RedisError:
+            # The lease is a safety net for a rare race: without Redis the job runs,
+            # unfenced, loudly.
+            logger.warning(
+                "execution lease unavailable: running unfenced",
+                extra={"task": self.name, "job_id": execution.task_id},
+            )
+            return
+        if isinstance(lease, execution_lease.Held):
+            metrics.concurrent_deferred.labels(self.name).inc()
+            # Look again well before the holder's lease could run out: it may end soon.
+            quarter = max(0.5, self.contract.visibility_timeout * 0.25)
+            delay = min(lease.retry_in, quarter) + _rng.uniform(0.2, 1.0)
+            self._log(
+                f"deferred {delay:.2f}s: another execution of this job is running ({lease.holder})",
+                execution,
+                layer="delivery",
+                holder=lease.holder,
+            )
+            self._defer(execution, request, args, kwargs, delay)
+        execution.fence = lease.fence
+        if lease.took_over_from:
+            self._announce_takeover(execution, lease)
+        elif redelivered:
+            metrics.redeliveries.labels(self.name, "broker").inc()
+
+    def _announce_takeover(self, execution: Execution, lease: execution_lease.Taken) -> None:
+        metrics.redeliveries.labels(self.name, lease.cause).inc()
+        self._log(
+            f"took over the execution lease of {lease.took_over_from} ({lease.cause}); "
+            f"fence {lease.fence}",
+            execution,
+            layer="delivery",
+            fence=lease.fence,
+        )
+        try:
+            execution_lease.record_takeover(
+                execution.task_id, execution.key, lease.fence, lease.took_over_from
+            )
+        except DatabaseError as exc:
+            # Without the fence row the stale holder could still commit: do not run.
+            raise self._retry(exc, _rng.uniform(1.0, 5.0)) from exc
+
+    def _hand_back_execution_lease(self) -> None:
+        """Before re-publishing this job: its next message must find the lease free."""
+        execution = getattr(self.request, "explicit", None)
+        if isinstance(execution, Execution) and execution.fence is not None:
+            self._release_execution_lease(execution)
+            execution.fence = None
+
+    def _release_execution_lease(self, execution: Execution) -> None:
+        import redis
+
+        assert execution.fence is not None
+        try:
+            execution_lease.release(execution.task_id, execution.fence)
+        except redis.RedisError:
+            logger.warning(
+                "could not release the execution lease (it runs out by itself)",
+                extra={"task": self.name, "job_id": execution.task_id},
+            )
+
+    def _defer(
+        self,
+        execution: Execution,
+        request: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        delay: float,
+    ) -> NoReturn:
+        """Publish the same job again ``delay`` seconds from now and end this delivery.
+
+        Same task id and retry count, no attempt used; the pool slot is free at once.
+        """
+        again: dict[str, Any] = {_RETRY_OPTION: True}
+        self._hand_back_execution_lease()
+        try:
+            self.apply_async(
+                args,
+                kwargs,
+                task_id=execution.task_id,
+                countdown=delay,
+                retries=int(request.retries or 0),
+                queue=_delivery(request, "routing_key"),
+                **again,
+            )
+        except Exception as exc:
+            raise Reject(exc, requeue=True) from exc
+        raise Ignore()
+
     def _enter_downstream(
         self, execution: Execution, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> bool:
@@ -353,21 +581,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             downstream=downstream.name,
             verdict=verdict,
         )
-        again: dict[str, Any] = {_RETRY_OPTION: True}
-        try:
-            # The same job again later: same task id and retry count, no attempt used.
-            self.apply_async(
-                args,
-                kwargs,
-                task_id=execution.task_id,
-                countdown=delay,
-                retries=int(request.retries or 0),
-                queue=_delivery(request, "routing_key"),
-                **again,
-            )
-        except Exception as exc:
-            raise Reject(exc, requeue=True) from exc
-        raise Ignore()
+        self._defer(execution, request, args, kwargs, delay)
 
     def _leave_downstream(self, execution: Execution, *, failed: bool) -> None:
         import redis
@@ -537,6 +751,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 task_id=execution.task_id,
                 using=using,
                 before_commit=attempt_row,
+                fence=execution.fence,
             ) as claimed:
                 yield claimed
         except BaseException:
@@ -551,6 +766,12 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             self._log("effect already applied: duplicate absorbed", execution, layer="effect")
         else:
             metrics.effects_applied.labels(self.name).inc()
+
+    @property
+    def fencing_token(self) -> int | None:
+        """This execution's fencing token, for your own guarded writes
+        (``django_outbox.fencing.fenced_update``); None without an execution lease."""
+        return self._execution().fence
 
     def set_external_request_id(self, value: str) -> None:
         """Record the downstream's request id on this attempt (for its support desk)."""
@@ -767,6 +988,18 @@ def _correlation(request: Any) -> str:
         or request.id
         or ""
     )
+
+
+def _ordering_place(request: Any) -> tuple[str, int] | None:
+    """(ordering key, number) from the message headers, if it was published with one."""
+    key = getattr(request, ordering_mod.KEY_HEADER, None)
+    seq = getattr(request, ordering_mod.SEQ_HEADER, None)
+    if not key or seq is None:
+        return None
+    try:
+        return str(key), int(seq)
+    except (TypeError, ValueError):
+        return None
 
 
 def _delivery(request: Any, name: str) -> Any:

@@ -27,9 +27,9 @@ from django.db import DatabaseError, connections, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from celery_explicit.errors import IdempotencyConflict
+from celery_explicit.errors import IdempotencyConflict, StaleFencingToken
 from django_outbox.conf import settings
-from django_outbox.models import ProcessedOperation
+from django_outbox.models import Fence, ProcessedOperation
 
 Statement = tuple[str, Sequence[Any]]
 
@@ -64,6 +64,20 @@ _CLAIM_OR_READ_SQL = (
 )
 _RESULT_SQL = f"UPDATE {_table} SET result_ref = %s WHERE key = %s"
 
+# The fence: a newer execution of this job took its lease over (execution_lease) and
+# wrote its token. Read in the effect's own transaction, last before COMMIT, so a stale
+# execution that wakes up anywhere before its commit is refused.
+_fence_table = Fence._meta.db_table
+_FENCE_SQL = f"SELECT token FROM {_fence_table} WHERE task_id = %s AND token > %s"
+# The same check for the one-string commit below, which returns no rows to read: a
+# fence row turns into an error that aborts the transaction (so COMMIT rolls back). The
+# cast reads a column, so PostgreSQL cannot fold it into an error at plan time.
+_STALE = "explicit: stale fencing token"
+_FENCE_CHECK_SQL = (
+    f"SELECT CAST('{_STALE} ' || token AS integer) FROM {_fence_table} "
+    "WHERE task_id = %s AND token > %s"
+)
+
 
 @contextmanager
 def effect(
@@ -74,12 +88,16 @@ def effect(
     task_id: str,
     using: str | None = None,
     before_commit: Callable[[Effect], list[Statement]] | None = None,
+    fence: int | None = None,
 ) -> Iterator[Effect]:
     """One transaction holding the effect and its ledger row.
 
     ``before_commit`` returns statements to run in the same transaction after the
     block (the attempt row). Raises ``IdempotencyConflict`` when the key was applied
     with other arguments: that is neither a duplicate to absorb nor a new effect.
+    ``fence`` is the execution lease's token for job ``task_id``: the commit is
+    refused (``StaleFencingToken``, nothing written) when a newer execution took the
+    lease over.
     """
     alias = using or settings.database
     connection = connections[alias]
@@ -129,13 +147,30 @@ def effect(
         if before_commit is not None:
             statements += before_commit(claimed)
         if trips is not None:
+            if fence is not None:
+                statements.append((_FENCE_CHECK_SQL, [task_id, fence]))
             # Committed here; Django's own commit at the end of atomic() then finds the
             # transaction closed and has nothing to do (its on_commit hooks still run).
-            trips.execute_and_commit(statements)
+            try:
+                trips.execute_and_commit(statements)
+            except DatabaseError as exc:
+                if _STALE not in str(exc):
+                    raise
+                newer = int(str(exc).split(_STALE, 1)[1].split('"')[0])
+                raise _stale(task_id, key, fence, newer) from None
         else:
             with connection.cursor() as cursor:
                 for sql, statement_params in statements:
                     cursor.execute(sql, statement_params)
+                if fence is not None:
+                    cursor.execute(_FENCE_SQL, [task_id, fence])
+                    newer_row = cursor.fetchone()
+                    if newer_row is not None:
+                        raise _stale(task_id, key, fence, int(newer_row[0]))
+
+
+def _stale(task_id: str, key: str, fence: int | None, newer: int) -> StaleFencingToken:
+    return StaleFencingToken(f"effect {key!r} of job {task_id}", token=fence or 0, current=newer)
 
 
 class _RoundTrips:

@@ -8,12 +8,18 @@ Each model answers one operator question:
   or execution that needs a human)
 - ``Fence``: which execution of a key took its lease over, so a paused one that wakes
   up cannot commit. (concurrency)
+- ``OutboxEvent``: a job or event committed with the business change, waiting for the
+  relay to publish it. (delivery)
 """
 
 from __future__ import annotations
 
+import uuid
+from datetime import datetime
+
 from django.db import models
 from django.db.models import Q
+from django.db.models.functions import Now
 
 
 class Outcome(models.TextChoices):
@@ -80,16 +86,20 @@ class ProcessedOperation(models.Model):
 
 
 class Fence(models.Model):
-    """The newest fencing token announced for an idempotency key.
+    """The newest fencing token of a job whose execution lease was taken over.
 
-    Written only when an execution takes over a lease that another execution lost
-    (expired while that one was paused or stopped); the loser's ``effect()`` reads it
-    in its commit and is refused. No row: nobody ever took a lease over.
+    Written only when an execution takes over the lease of an execution that never
+    released it (expired while that one was paused or stopped, or its process died);
+    a stale execution that wakes up reads it in its effect's commit and is refused. No
+    row: nobody ever took that job's lease over.
     """
 
-    key = models.CharField(max_length=255, primary_key=True)
+    task_id = models.CharField(max_length=255, primary_key=True)
     token = models.BigIntegerField()
-    task_id = models.CharField(max_length=255, blank=True, default="")
+    idempotency_key = models.CharField(max_length=255, blank=True, default="")
+    taken_over_from = models.CharField(
+        max_length=255, blank=True, default="", help_text="the previous holder (host:pid)"
+    )
     taken_over_at = models.DateTimeField()
 
     class Meta:
@@ -97,7 +107,7 @@ class Fence(models.Model):
         verbose_name = "fence (lease takeover)"
 
     def __str__(self) -> str:
-        return f"{self.key} >= {self.token}"
+        return f"{self.task_id} >= {self.token}"
 
 
 class Attempt(models.Model):
@@ -203,3 +213,100 @@ class DeadLetter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_name}[{self.task_id}]: {self.reason}"
+
+
+class OutboxStatus(models.TextChoices):
+    """Where an outbox event stands. Only ``pending`` events are ever claimed."""
+
+    PENDING = "pending", "pending: not yet published"
+    PUBLISHED = "published", "published to the broker"
+    DEDUPLICATED = "deduplicated", "not published: another message owns its dedup id"
+    DEAD_LETTER = "dead_letter", "not published: sent to the dead letters"
+
+
+class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
+    def pending(self) -> OutboxEventQuerySet:
+        return self.filter(status=OutboxStatus.PENDING)
+
+    def backlog(self) -> tuple[int, datetime | None]:
+        """How many events wait to be published, and when the oldest was written."""
+        found = self.pending().aggregate(count=models.Count("id"), oldest=models.Min("created_at"))
+        return int(found["count"]), found["oldest"]
+
+
+class OutboxEvent(models.Model):
+    """A job or domain event written in the business transaction, published after commit.
+
+    The row commits or rolls back with the business change that caused it;
+    ``manage.py outbox_relay`` publishes it with ``event_id`` as the Celery task id and
+    marks it published in the transaction that claimed it (``django_outbox.relay``).
+    ``id`` is the creation order: events sharing an ``ordering_key`` are published in it.
+    """
+
+    event_id = models.UUIDField(default=uuid.uuid4, editable=False, help_text="the task id")
+    task_name = models.CharField(max_length=255, help_text="the topic: a registered task name")
+    args = models.JSONField(default=list, blank=True)
+    kwargs = models.JSONField(default=dict, blank=True, help_text="a domain event's payload")
+    headers = models.JSONField(default=dict, blank=True)
+    options = models.JSONField(
+        default=dict, blank=True, help_text="publish options: queue, routing_key, ..."
+    )
+    ordering_key = models.CharField(
+        max_length=255, blank=True, default="", help_text="events with one key publish in order"
+    )
+    status = models.CharField(
+        max_length=16, choices=OutboxStatus.choices, default=OutboxStatus.PENDING
+    )
+    # The database's clock, not the writer's or the relay's: the relay compares
+    # available_at with now() in its claim, and a writer whose clock runs ahead
+    # would otherwise hold its events back.
+    created_at = models.DateTimeField(db_default=Now())
+    available_at = models.DateTimeField(
+        db_default=Now(), help_text="not claimed before this time (backoff after a failure)"
+    )
+    published_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0, help_text="publish attempts")
+    last_error = models.TextField(blank=True, default="")
+
+    objects = OutboxEventQuerySet.as_manager()
+
+    class Meta:
+        db_table = "django_outbox_event"
+        verbose_name = "outbox event"
+        permissions = [("retry_outboxevent", "Can retry an outbox event now")]
+        constraints = [
+            models.UniqueConstraint(fields=["event_id"], name="django_outbox_event_id_uniq"),
+            models.CheckConstraint(
+                condition=Q(status__in=OutboxStatus.values), name="django_outbox_event_status_valid"
+            ),
+            # published_at says when it reached the broker: set for published rows only.
+            models.CheckConstraint(
+                condition=Q(status=OutboxStatus.PUBLISHED, published_at__isnull=False)
+                | (~Q(status=OutboxStatus.PUBLISHED) & Q(published_at__isnull=True)),
+                name="django_outbox_event_published_at",
+            ),
+        ]
+        indexes = [
+            # The relay's claim: pending rows in creation order (a partial index stays
+            # as small as the backlog, however many published rows are kept).
+            models.Index(
+                fields=["id"],
+                condition=Q(status=OutboxStatus.PENDING),
+                name="django_outbox_ev_pending_idx",
+            ),
+            # The claim's "no older pending event with this key" test.
+            models.Index(
+                fields=["ordering_key", "id"],
+                condition=Q(status=OutboxStatus.PENDING),
+                name="django_outbox_ev_key_idx",
+            ),
+            # outbox_prune.
+            models.Index(
+                fields=["published_at"],
+                condition=Q(status=OutboxStatus.PUBLISHED),
+                name="django_outbox_ev_pub_idx",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.event_id}]: {self.status}"

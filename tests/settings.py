@@ -44,7 +44,8 @@ DATABASES = {
         "PORT": os.environ.get("PGPORT", "5432"),
         "USER": os.environ.get("PGUSER", "postgres"),
         "NAME": _db_name or os.environ.get("PGDATABASE", "explicit"),
-        "TEST": {"NAME": "test_explicit"},
+        # Separate names let two test sessions share one server (EXPLICIT_TEST_DATABASE).
+        "TEST": {"NAME": os.environ.get("EXPLICIT_TEST_DATABASE", "test_explicit")},
     }
 }
 
@@ -68,3 +69,11 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 EXPLICIT_CELERY_APP = "tests.celery_app.app"
 EXPLICIT_REDIS_URL = REDIS_URL
+
+# django_outbox.cache runs on django-redis; tests give each test its own KEY_PREFIX.
+CACHES = {
+    "default": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": os.environ.get("EXPLICIT_TEST_CACHE_URL", "redis://127.0.0.1:6379/14"),
+    }
+}

@@ -113,8 +113,9 @@ def test_a_stopped_child_loses_its_lease_and_another_worker_takes_the_job(
                  timeout=20, what="the second worker's effect")
     finally:
         os.kill(child, signal.SIGCONT)
-    # The first execution wakes up and reaches its effect: the ledger says done.
-    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.ALREADY_APPLIED).exists(),
+    # The first execution wakes up and reaches its effect: the second one took its
+    # execution lease over, so its commit is refused (fenced).
+    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.FENCED).exists(),
              timeout=20, what="the resumed execution")
     assert Counter.objects.get(name=order).value == 1
 

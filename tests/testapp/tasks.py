@@ -377,3 +377,101 @@ app.register_task(RetryThenSucceed())
 app.register_task(Declined())
 app.register_task(Surprising())
 app.register_task(OptionalKey())
+
+
+class ShipToAddress(ExplicitTask):
+    """Reads the address when it starts, ships to it later: a stale execution ships to
+    an old address. The first execution pauses (the test stops its process there); a
+    second one waits for the test's go-ahead, so the first wakes up while it runs."""
+
+    name = "tests.ship_to_address"
+    idempotency_key = "ship:{order_id}"
+    visibility_timeout = 2
+    expected_duration = 0.5
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, order_id: int, tag: str) -> None:
+        import redis
+        from django.conf import settings
+
+        from tests.testapp.models import OrderState, Profile
+
+        client = redis.Redis.from_url(settings.REDIS_URL)
+        address = Profile.objects.get(user_id=order_id).data
+        if client.rpush(f"started:{tag}", os.getpid()) == 1:
+            time.sleep(0.5)  # stopped here by the test
+        else:
+            deadline = time.monotonic() + 30
+            while not client.exists(f"proceed:{tag}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+        with self.effect() as eff:
+            if eff.done:
+                return
+            OrderState.objects.create(order_id=order_id, status=address[:20])
+
+
+class HoldsTheLine(ExplicitTask):
+    """A long handler that leaves [start, end] of each execution in Redis."""
+
+    name = "tests.holds_the_line"
+    idempotency_key = "line:{name}:{op_id}"
+    visibility_timeout = 4
+    expected_duration = 1
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, name: str, op_id: str, seconds: float) -> None:
+        import redis
+        from django.conf import settings
+
+        client = redis.Redis.from_url(settings.REDIS_URL)
+        started = time.time()
+        client.rpush(f"started:{op_id}", os.getpid())
+        time.sleep(seconds)
+        with self.effect() as eff:
+            if not eff.done:
+                Counter.objects.filter(name=name).update(value=F("value") + 1)
+        client.rpush(f"spans:{op_id}", f"{started}:{time.time()}")
+
+
+class ApplyOrderEvent(ExplicitTask):
+    """Writes an order's status from an event, with no version check: only the order in
+    which events run decides the final state. Leaves the sequence it applied in Redis."""
+
+    name = "tests.apply_order_event"
+    idempotency_key = "order:{order_id}:event:{seq}"
+    ordering_key = "order:{order_id}"
+    visibility_timeout = 10
+    expected_duration = 1
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, order_id: int, seq: int, tag: str) -> None:
+        import random
+
+        import redis
+        from django.conf import settings
+
+        from tests.testapp.models import OrderState
+
+        time.sleep(random.uniform(0.0, 0.05))  # workers finish in any order
+        with self.effect() as eff:
+            if eff.done:
+                return
+            OrderState.objects.update_or_create(order_id=order_id,
+                                                defaults={"status": str(seq)})
+        redis.Redis.from_url(settings.REDIS_URL).rpush(f"applied:{tag}:{order_id}", seq)
+
+
+class ApplyOrderEventUnordered(ApplyOrderEvent):
+    """Negative control: the same handler without an ordering key."""
+
+    name = "tests.apply_order_event_unordered"
+    ordering_key = None
+
+
+app.register_task(ShipToAddress())
+app.register_task(HoldsTheLine())
+app.register_task(ApplyOrderEvent())
+app.register_task(ApplyOrderEventUnordered())

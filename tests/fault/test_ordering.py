@@ -1,0 +1,60 @@
+"""Fault test: per-entity ordering under several worker processes.
+
+Events for many orders are published in a shuffled interleaving (each order's own
+events in sequence) to two workers of two processes each; handlers take random
+time. With ``ordering_key`` every order's events run in publish order and each order
+ends in its last event's state; the negative control (no ordering key) ends some
+orders in an older state.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+
+from django_outbox.models import Attempt
+from tests.testapp.models import OrderState
+from tests.testapp.tasks import ApplyOrderEvent, ApplyOrderEventUnordered
+from tests.workers import wait_for
+
+pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+
+ORDERS, EVENTS = 12, 6
+
+
+def shuffled_interleaving(rng: random.Random) -> list[tuple[int, int]]:
+    """Every (order, seq), each order's seqs ascending, orders interleaved at random."""
+    pending = {order: list(range(1, EVENTS + 1)) for order in range(ORDERS)}
+    out = []
+    while pending:
+        order = rng.choice(sorted(pending))
+        out.append((order, pending[order].pop(0)))
+        if not pending[order]:
+            del pending[order]
+    return out
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
+def test_each_entity_ends_in_its_last_event(start_worker, redis_client, queue,
+                                            ordered) -> None:
+    task = ApplyOrderEvent() if ordered else ApplyOrderEventUnordered()
+    start_worker(concurrency=2)
+    start_worker(concurrency=2)
+    tag = uuid.uuid4().hex[:8]
+    for order, seq in shuffled_interleaving(random.Random(7)):
+        task.apply_async(kwargs={"order_id": order, "seq": seq, "tag": tag}, queue=queue)
+    wait_for(lambda: Attempt.objects.filter(task_name=task.name).count() == ORDERS * EVENTS,
+             timeout=90, what="every event applied")
+    final = dict(OrderState.objects.values_list("order_id", "status"))
+    wrong = {order: status for order, status in final.items() if status != str(EVENTS)}
+    runs = {order: [int(s) for s in redis_client.lrange(f"applied:{tag}:{order}", 0, -1)]
+            for order in range(ORDERS)}
+    out_of_order = [order for order, seqs in runs.items() if seqs != sorted(seqs)]
+    if ordered:
+        assert wrong == {} and out_of_order == []
+        assert all(seqs == list(range(1, EVENTS + 1)) for seqs in runs.values())
+    else:
+        assert out_of_order, "the control should run some events out of order"
+        assert len(final) == ORDERS
