@@ -218,3 +218,41 @@ def record_takeover(task_id: str, key: str, fence: int, previous: str) -> None:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class LiveExecution:
+    """A running job's execution lease as an operator sees it (``explicit_leases``)."""
+
+    task_id: str
+    owner: str  # host:pid of the pool process running it
+    fence: int
+    age: float  # seconds since this execution took the lease
+    expires_in: float  # seconds until another delivery may take it over
+
+
+def live_executions(client: Any, *, prefix: str = PREFIX) -> list[LiveExecution]:
+    """Every execution lease in Redis (SCAN, not KEYS), soonest to expire first."""
+    found = []
+    now_ms = _now_ms()
+    head = f"{prefix}run:"
+    for raw_key in client.scan_iter(match=f"{head}*", count=500, _type="STRING"):
+        key = text(raw_key)
+        pipe = client.pipeline(transaction=False)
+        pipe.get(key)
+        pipe.pttl(key)
+        value, ttl_ms = pipe.execute()
+        if value is None or int(ttl_ms) < 0:
+            continue  # released between SCAN and now
+        fence, holder = _parse(text(value))
+        acquired_ms = int(text(value).rsplit("|", 1)[1])
+        found.append(
+            LiveExecution(
+                task_id=key[len(head) :],
+                owner=holder,
+                fence=fence,
+                age=max(0.0, (now_ms - acquired_ms) / 1000.0),
+                expires_in=int(ttl_ms) / 1000.0,
+            )
+        )
+    return sorted(found, key=lambda lease: lease.expires_in)

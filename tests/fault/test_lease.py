@@ -6,6 +6,7 @@ SlowShip declares a 2 s lease and runs 6 s: the article's incident (a 45 s job u
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import time
@@ -14,6 +15,7 @@ import uuid
 import pytest
 from django.core.management import call_command
 
+from celery_explicit.execution_lease import live_executions
 from celery_explicit.lease import live_leases
 from django_outbox.models import Attempt, Outcome
 from tests.testapp.models import Counter
@@ -53,7 +55,13 @@ def test_a_job_three_times_its_lease_runs_once_while_alive(start_worker, queue,
     held = [x for x in live_leases(redis_client) if x.task_id in ours]
     assert len(held) == JOBS
     assert all(0 < x.expires_in <= 2.0 and x.extensions >= 1 for x in held)
-    call_command("explicit_leases")
+    # ... and each job's execution lease: owner process, fencing token, extended.
+    running = [x for x in live_executions(redis_client) if x.task_id in ours]
+    assert len(running) == JOBS
+    assert len({x.fence for x in running}) == JOBS
+    assert all(x.age > 1.5 and 0 < x.expires_in <= 2.0 for x in running)
+    call_command("explicit_leases", stdout=(out := io.StringIO()))
+    assert all(task_id in out.getvalue() for task_id in ours)
     wait_for(lambda: Attempt.objects.count() >= JOBS, timeout=40, what="every job done")
     time.sleep(2.5)  # a lease past its deadline would have been restored by now
     assert [len(ran(redis_client, o)) for o in orders] == [1] * JOBS  # zero redeliveries

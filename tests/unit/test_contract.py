@@ -294,3 +294,24 @@ def test_downstream_declaration_is_validated() -> None:
                            ({"concurrency": 1, "failure_threshold": True}, "failure_threshold")]:
         with pytest.raises(ValueError, match=f"Downstream 'wh': {needle}"):
             Downstream("wh", **kwargs)  # type: ignore[arg-type]
+
+
+def test_ordering_declaration_is_checked_against_run() -> None:
+    task = define(ordering_key="payment:{payment_id}")
+    ordering = task.contract.ordering
+    assert ordering is not None and ordering.key == "payment:{payment_id}"
+    # Default gap: two leases plus the longest backoff (60 + 60 + 60 s here).
+    assert ordering.gap == 2 * 60 + 60
+    assert define(ordering_key="payment:{payment_id}", ordering_gap=5).contract.ordering.gap == 5
+    with pytest.raises(ContractError, match="shop.capture_payment.*ordering_key field "
+                                            "'order_id' is not a parameter of run"):
+        define(ordering_key="order:{order_id}")
+    with pytest.raises(ContractError, match="ordering_key 'orders' has no field"):
+        define(ordering_key="orders")
+    with pytest.raises(ContractError, match="ordering_key must be a template string"):
+        define(ordering_key=42)
+    with pytest.raises(ContractError, match="ordering_gap is declared without ordering_key"):
+        define(ordering_gap=30)
+    with pytest.raises(ContractError, match="ordering_gap=-1 must be a positive"):
+        define(ordering_key="payment:{payment_id}", ordering_gap=-1)
+    assert define().contract.ordering is None
