@@ -2,7 +2,7 @@
 
 Events for many orders are published in a shuffled interleaving (each order's own
 events in sequence) to two workers of two processes each; handlers take random
-time. With ``ordering_key`` every order's events run in publish order and each order
+time, on each broker. With ``ordering_key`` every order's events run in publish order and each order
 ends in its last event's state; the negative control (no ordering key) ends some
 orders in an older state.
 """
@@ -13,6 +13,7 @@ import random
 import uuid
 
 import pytest
+from kombu import Connection
 
 from django_outbox.models import Attempt
 from tests.testapp.models import OrderState
@@ -37,14 +38,16 @@ def shuffled_interleaving(rng: random.Random) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
-def test_each_entity_ends_in_its_last_event(start_worker, redis_client, queue,
+def test_each_entity_ends_in_its_last_event(start_worker, redis_client, queue, broker,
                                             ordered) -> None:
     task = ApplyOrderEvent() if ordered else ApplyOrderEventUnordered()
-    start_worker(concurrency=2)
-    start_worker(concurrency=2)
+    start_worker(concurrency=2, extra_env={"EXPLICIT_TEST_BROKER_URL": broker})
+    start_worker(concurrency=2, extra_env={"EXPLICIT_TEST_BROKER_URL": broker})
     tag = uuid.uuid4().hex[:8]
-    for order, seq in shuffled_interleaving(random.Random(7)):
-        task.apply_async(kwargs={"order_id": order, "seq": seq, "tag": tag}, queue=queue)
+    with Connection(broker) as conn:
+        for order, seq in shuffled_interleaving(random.Random(7)):
+            task.apply_async(kwargs={"order_id": order, "seq": seq, "tag": tag}, queue=queue,
+                             connection=conn)
     wait_for(lambda: Attempt.objects.filter(task_name=task.name).count() == ORDERS * EVENTS,
              timeout=90, what="every event applied")
     final = dict(OrderState.objects.values_list("order_id", "status"))
