@@ -134,13 +134,20 @@ class LockNotOwned(LockError):
 class StaleFencingToken(ExplicitError):
     """A write carried a fencing token older than the one already stored: refused."""
 
-    def __init__(self, target: str, *, token: int, current: int) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: int,
+        current: int,
+        why: str = "a newer holder already wrote",
+    ) -> None:
         self.target = target
         self.token = token
         self.current = current
         super().__init__(
             f"Refused write to {target}: fencing token {token} is older than "
-            f"the stored {current} (a newer holder already wrote)"
+            f"the stored {current} ({why})"
         )
 
 

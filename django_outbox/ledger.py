@@ -170,7 +170,12 @@ def effect(
 
 
 def _stale(task_id: str, key: str, fence: int | None, newer: int) -> StaleFencingToken:
-    return StaleFencingToken(f"effect {key!r} of job {task_id}", token=fence or 0, current=newer)
+    return StaleFencingToken(
+        f"effect {key!r} of job {task_id}",
+        token=fence or 0,
+        current=newer,
+        why="a newer execution of this job took its lease over",
+    )
 
 
 class _RoundTrips:

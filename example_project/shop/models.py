@@ -46,3 +46,16 @@ class WarehouseOutage(models.Model):
     """A stand-in for a sick downstream: the next ``remaining`` calls time out."""
 
     remaining = models.PositiveIntegerField(default=0)
+
+
+class Order(models.Model):
+    """An order the warehouse ships, and whose status events arrive from elsewhere."""
+
+    status = models.CharField(max_length=20, default="placed")
+    #: Sequence of the last status event applied (versioned_update keeps it).
+    status_version = models.BigIntegerField(null=True, blank=True)
+    #: How many times the warehouse was asked to ship it: must never exceed 1.
+    shipments = models.PositiveIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"order {self.pk} ({self.status})"

@@ -7,7 +7,16 @@ from django.db.models import F
 from shop_project.celery import app
 
 from celery_explicit import ExplicitTask, effect
-from shop.models import Invoice, InvoiceStatus, Payment, PaymentStatus, StockLevel, WarehouseOutage
+from django_outbox.fencing import versioned_update
+from shop.models import (
+    Invoice,
+    InvoiceStatus,
+    Order,
+    Payment,
+    PaymentStatus,
+    StockLevel,
+    WarehouseOutage,
+)
 
 
 class GatewayTimeout(Exception):
@@ -85,5 +94,54 @@ def send_invoice_email(invoice_id: int) -> None:
         Invoice.objects.filter(id=invoice_id).update(status=InvoiceStatus.SENT)
 
 
+class ShipOrder(ExplicitTask):
+    """The article's incident: the warehouse is slow today, far slower than the lease.
+
+    Its lease is 2 s; the warehouse takes ``warehouse_seconds`` (6 s in the demo, three
+    times the lease). The worker extends the lease while the handler is alive, so the
+    job runs once; without that (``EXPLICIT_LEASE_EXTEND=0``) the broker hands it to a
+    second worker, and fencing refuses the first one's late commit.
+    """
+
+    name = "shop.ship_order"
+    idempotency_key = "order:{order_id}:ship"
+    visibility_timeout = 2
+    expected_duration = 1
+    retry_on = (GatewayTimeout,)
+    fail_on = ()
+
+    def run(self, order_id: int, warehouse_seconds: float = 0.0) -> None:
+        import time
+
+        time.sleep(warehouse_seconds)  # the warehouse takes its time
+        with self.effect() as shipped:
+            if shipped.done:
+                return
+            Order.objects.filter(id=order_id).update(shipments=F("shipments") + 1,
+                                                     status="shipped")
+
+
+class ApplyOrderStatus(ExplicitTask):
+    """Status events for one order run one at a time, in the order they were published;
+    each write also carries the event's sequence, so a straggler cannot win."""
+
+    name = "shop.apply_order_status"
+    idempotency_key = "order:{order_id}:status:{seq}"
+    ordering_key = "order:{order_id}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, order_id: int, seq: int, status: str) -> None:
+        with self.effect() as applied:
+            if applied.done:
+                return
+            versioned_update(Order.objects.filter(id=order_id), version=seq,
+                             field="status_version", status=status)
+
+
 app.register_task(CapturePayment())
 app.register_task(SyncStock())
+app.register_task(ShipOrder())
+app.register_task(ApplyOrderStatus())

