@@ -1,5 +1,5 @@
 # Convenience targets; scripts/ holds the real commands.
-.PHONY: test demo lint bench bench-p1 bench-p2 bench-p4
+.PHONY: test demo lint bench bench-p1 bench-p2 bench-p4 bench-p5
 
 test:
 	./scripts/test
@@ -10,7 +10,7 @@ demo:
 lint:
 	.venv/bin/ruff check . && .venv/bin/ruff format --check celery_explicit django_outbox && .venv/bin/mypy
 
-bench: bench-p1 bench-p2 bench-p4
+bench: bench-p1 bench-p2 bench-p4 bench-p5
 
 bench-p1:
 	./scripts/bench p1_throughput.py
@@ -20,3 +20,6 @@ bench-p2:
 
 bench-p4:
 	./scripts/bench p4_locks.py
+
+bench-p5:
+	./scripts/bench p5_cache.py

@@ -31,3 +31,21 @@ class OrderState(models.Model):
 
     def __str__(self) -> str:
         return f"order {self.order_id}: {self.status} (v{self.version})"
+
+
+class CachedProfile(models.Model):
+    """A row served through the versioned cache; ``version`` grows with each committed write."""
+
+    user_id = models.IntegerField(unique=True)
+    name = models.TextField(default="")
+    version = models.IntegerField(default=1)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(version__gte=0), name="testapp_cachedprofile_version_gte_0"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"profile {self.user_id}: {self.name} (v{self.version})"
