@@ -456,6 +456,8 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
 
         redelivered = bool(_delivery(request, "redelivered"))
         if not execution_lease.enabled():
+            if redelivered:
+                metrics.redeliveries.labels(self.name, "broker").inc()
             return
         try:
             lease = execution_lease.acquire(execution.task_id, ttl=self.contract.visibility_timeout)
