@@ -69,7 +69,7 @@ def test_a_live_job_ahead_is_never_skipped(redis_client, key) -> None:
 def test_publish_numbers_jobs_and_refuses_a_key_it_cannot_render(redis_client, queue) -> None:
     order_id = int(uuid.uuid4().int % 10**9)
     task = ApplyOrderEvent()
-    with pytest.raises(BadInput, match="tests.apply_order_event"):
+    with pytest.raises(BadInput, match=r"tests\.apply_order_event"):
         task.apply_async(kwargs={"seq": 1, "tag": "x"}, queue=queue)  # no order_id
     task.apply_async(kwargs={"order_id": order_id, "seq": 1, "tag": "x"}, queue=queue)
     task.apply_async(kwargs={"order_id": order_id, "seq": 2, "tag": "x"}, queue=queue)

@@ -303,8 +303,8 @@ def test_ordering_declaration_is_checked_against_run() -> None:
     # Default gap: two leases plus the longest backoff (60 + 60 + 60 s here).
     assert ordering.gap == 2 * 60 + 60
     assert define(ordering_key="payment:{payment_id}", ordering_gap=5).contract.ordering.gap == 5
-    with pytest.raises(ContractError, match="shop.capture_payment.*ordering_key field "
-                                            "'order_id' is not a parameter of run"):
+    with pytest.raises(ContractError, match=r"shop\.capture_payment.*ordering_key field "
+                                            r"'order_id' is not a parameter of run"):
         define(ordering_key="order:{order_id}")
     with pytest.raises(ContractError, match="ordering_key 'orders' has no field"):
         define(ordering_key="orders")
