@@ -12,6 +12,7 @@
   in a worker (an ETA message) would be redelivered to another one meanwhile
 - W002 kombu's restore sweep runs less often than a task's lease: a dead worker's job
   waits for the sweep, not for its own lease
+- E006 an outbox setting (``EXPLICIT_OUTBOX_*``) the relay cannot run with
 """
 
 from __future__ import annotations
@@ -178,3 +179,43 @@ def _check_visibility(app: Any, tasks: list[Any]) -> list[checks.CheckMessage]:
                 )
             )
     return messages
+
+
+@checks.register("django_outbox")
+def check_outbox_settings(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """E006: an outbox setting the relay cannot run with."""
+    problems: list[str] = []
+    try:
+        values = {
+            "EXPLICIT_OUTBOX_BATCH_SIZE": (settings.outbox_batch_size, 1),
+            "EXPLICIT_OUTBOX_MAX_ATTEMPTS": (settings.outbox_max_attempts, 1),
+            "EXPLICIT_OUTBOX_POLL_INTERVAL": (settings.outbox_poll_interval, 0.001),
+            "EXPLICIT_OUTBOX_BACKOFF_BASE": (settings.outbox_backoff_base, 0.001),
+            "EXPLICIT_OUTBOX_BACKOFF_CAP": (settings.outbox_backoff_cap, 0.001),
+        }
+    except (TypeError, ValueError) as exc:
+        problems.append(f"an EXPLICIT_OUTBOX_* setting is not a number: {exc}")
+        values = {}
+    for name, (value, least) in values.items():
+        if not value >= least:  # NaN too
+            problems.append(f"{name}={value!r} must be at least {least:g}")
+    if values and settings.outbox_backoff_cap < settings.outbox_backoff_base:
+        problems.append(
+            f"EXPLICIT_OUTBOX_BACKOFF_CAP={settings.outbox_backoff_cap:g} is shorter than "
+            f"EXPLICIT_OUTBOX_BACKOFF_BASE={settings.outbox_backoff_base:g}"
+        )
+    channel = settings.outbox_notify_channel
+    if len(channel.encode()) > 63:
+        # PostgreSQL truncates identifiers at 63 bytes: writer and relay would still
+        # agree, but the name in the settings is not the one in pg_listening_channels().
+        problems.append(f"EXPLICIT_OUTBOX_NOTIFY_CHANNEL={channel!r} is longer than 63 bytes")
+    return [
+        checks.Error(
+            problem,
+            hint="Fix the setting; the outbox relay reads it at start-up.",
+            id="django_outbox.E006",
+        )
+        for problem in problems
+    ]

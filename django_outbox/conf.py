@@ -64,5 +64,47 @@ class Settings:
 
         return current_app._get_current_object()  # type: ignore[attr-defined,no-any-return]
 
+    @property
+    def outbox_batch_size(self) -> int:
+        """``EXPLICIT_OUTBOX_BATCH_SIZE`` (default 100): events one relay claims, publishes
+        and marks in one transaction. Larger batches publish faster (one Redis pipeline,
+        one UPDATE); a relay that dies mid-batch republishes at most this many."""
+        return int(getattr(django_settings, "EXPLICIT_OUTBOX_BATCH_SIZE", 100))
+
+    @property
+    def outbox_poll_interval(self) -> float:
+        """``EXPLICIT_OUTBOX_POLL_INTERVAL`` (default 1.0 s): how long an idle relay waits
+        before looking again. With LISTEN/NOTIFY (PostgreSQL) a commit wakes it at once
+        and this only catches events whose backoff ran out; without (SQLite, or the
+        channel set to ``""``) it is the publish lag."""
+        return float(getattr(django_settings, "EXPLICIT_OUTBOX_POLL_INTERVAL", 1.0))
+
+    @property
+    def outbox_notify_channel(self) -> str:
+        """``EXPLICIT_OUTBOX_NOTIFY_CHANNEL`` (default ``"explicit_outbox"``): the
+        PostgreSQL channel a writer NOTIFYs in its transaction and the relay LISTENs on.
+        ``""`` turns LISTEN/NOTIFY off (e.g. behind a pooler in transaction mode, where
+        LISTEN does not work): the relay polls."""
+        return str(getattr(django_settings, "EXPLICIT_OUTBOX_NOTIFY_CHANNEL", "explicit_outbox"))
+
+    @property
+    def outbox_max_attempts(self) -> int:
+        """``EXPLICIT_OUTBOX_MAX_ATTEMPTS`` (default 10): publish attempts of one event
+        that fails by itself (not because the broker is down) before it goes to the dead
+        letters with reason ``exhausted``, so it stops holding back its ordering key."""
+        return int(getattr(django_settings, "EXPLICIT_OUTBOX_MAX_ATTEMPTS", 10))
+
+    @property
+    def outbox_backoff_base(self) -> float:
+        """``EXPLICIT_OUTBOX_BACKOFF_BASE`` (default 0.5 s): base of the relay's capped
+        exponential backoff with full jitter, after a broker outage or a failed event."""
+        return float(getattr(django_settings, "EXPLICIT_OUTBOX_BACKOFF_BASE", 0.5))
+
+    @property
+    def outbox_backoff_cap(self) -> float:
+        """``EXPLICIT_OUTBOX_BACKOFF_CAP`` (default 30.0 s): the longest such wait; after
+        an outage the relay is back within this time of the broker."""
+        return float(getattr(django_settings, "EXPLICIT_OUTBOX_BACKOFF_CAP", 30.0))
+
 
 settings = Settings()

@@ -1,0 +1,68 @@
+"""``manage.py outbox_relay``: publish committed outbox events (``django_outbox.relay``)."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_outbox.conf import settings
+from django_outbox.relay import Relay, Wakeup
+
+
+class Command(BaseCommand):
+    help = (
+        "Publish committed outbox events to the broker, at least once, in order per "
+        "ordering key. Run one or more beside your workers; SIGTERM finishes the batch "
+        "in hand and exits."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--batch-size",
+            type=int,
+            default=None,
+            help="events per claim (default EXPLICIT_OUTBOX_BATCH_SIZE, "
+            f"{settings.outbox_batch_size})",
+        )
+        parser.add_argument(
+            "--poll-interval",
+            type=float,
+            default=None,
+            help="seconds an idle relay waits before looking again (default "
+            f"EXPLICIT_OUTBOX_POLL_INTERVAL, {settings.outbox_poll_interval:g})",
+        )
+        parser.add_argument(
+            "--once",
+            action="store_true",
+            help="publish what is claimable now, then exit (cron, or a one-off drain)",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        batch_size = options["batch_size"]
+        if batch_size is not None and batch_size < 1:
+            raise CommandError(f"--batch-size must be at least 1, got {batch_size}")
+        relay = Relay(batch_size=batch_size, poll_interval=options["poll_interval"])
+        if options["once"]:
+            totals = relay.drain()
+        else:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, lambda *_: relay.stop())
+
+            def ready(wakeup: Wakeup) -> None:
+                self.stdout.write(
+                    f"outbox relay ready: database {relay.using!r}, batch "
+                    f"{relay.batch_size}, wake-up: {wakeup.kind}, poll every "
+                    f"{relay.poll_interval:g}s"
+                )
+                self.stdout.flush()
+
+            totals = relay.run(on_ready=ready)
+        self.stdout.write(
+            f"outbox relay stopped: {totals.published} published, {totals.deduplicated} "
+            f"deduplicated, {totals.dead_lettered} dead-lettered, {totals.failed} failed "
+            "(retried later)"
+        )
+        if options["once"] and totals.broker_error is not None:
+            raise CommandError(f"broker unavailable: {totals.broker_error}")
