@@ -1,5 +1,5 @@
 # Convenience targets; scripts/ holds the real commands.
-.PHONY: test demo lint bench bench-p1 bench-p2 bench-p4 bench-p5
+.PHONY: test demo lint bench bench-p1 bench-p2 bench-p3 bench-p4 bench-p5 bench-lag
 
 test:
 	./scripts/test
@@ -10,7 +10,7 @@ demo:
 lint:
 	.venv/bin/ruff check . && .venv/bin/ruff format --check celery_explicit django_outbox && .venv/bin/mypy
 
-bench: bench-p1 bench-p2 bench-p4 bench-p5
+bench: bench-p1 bench-p2 bench-p3 bench-p4 bench-p5 bench-lag
 
 bench-p1:
 	./scripts/bench p1_throughput.py
@@ -23,3 +23,9 @@ bench-p4:
 
 bench-p5:
 	./scripts/bench p5_cache.py
+
+bench-p3:
+	./scripts/bench p3_relay.py
+
+bench-lag:
+	./scripts/bench outbox_lag.py
