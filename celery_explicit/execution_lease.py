@@ -141,7 +141,7 @@ def _holder_is_dead(holder: str) -> bool:
 def acquire(task_id: str, *, ttl: float, client: Any | None = None) -> Taken | Held:
     """Take the job's lease, or say who holds it. One round trip on the common path."""
     conn = client or redis_state.client()
-    script = conn.register_script(ACQUIRE)
+    script = redis_state.script(conn, ACQUIRE)
     keys = [lease_key(task_id), marker_key(task_id), f"{PREFIX}run-fence"]
     me, now_ms = owner(), _now_ms()
     args: list[Any] = [max(1, int(ttl * 1000)), me, now_ms, HELD_MARKER_TTL, ""]
@@ -168,9 +168,8 @@ def acquire(task_id: str, *, ttl: float, client: Any | None = None) -> Taken | H
 def release(task_id: str, fence: int, *, client: Any | None = None) -> bool:
     """Give the lease back; False when it had already been taken over (logged)."""
     conn = client or redis_state.client()
-    released = bool(
-        conn.register_script(RELEASE)(keys=[lease_key(task_id), marker_key(task_id)], args=[fence])
-    )
+    release_script = redis_state.script(conn, RELEASE)
+    released = bool(release_script(keys=[lease_key(task_id), marker_key(task_id)], args=[fence]))
     if not released:
         logger.warning(
             "execution lease of job %s (fence %s) was taken over before it ended",
@@ -184,7 +183,7 @@ def extend_all(client: Any, leases: list[tuple[str, str, float]]) -> int:
     """Extend ``(task_id, owner, ttl)`` leases in one pipeline; return how many moved."""
     if not leases:
         return 0
-    script = client.register_script(EXTEND)
+    script = redis_state.script(client, EXTEND)
     pipe = client.pipeline(transaction=False)
     for task_id, holder, ttl in leases:
         script(keys=[lease_key(task_id)], args=[holder, int(ttl * 1000)], client=pipe)

@@ -118,7 +118,7 @@ def _keys(key: str) -> dict[str, str]:
 def take_number(key: str, *, client: Any | None = None) -> int:
     """The job's place in its entity's order; taken just before it is published."""
     conn = client or redis_state.client()
-    return int(conn.register_script(PUBLISH)(keys=[_keys(key)["published"]], args=[STATE_TTL]))
+    return int(redis_state.script(conn, PUBLISH)(keys=[_keys(key)["published"]], args=[STATE_TTL]))
 
 
 def give_back(key: str, seq: int, *, client: Any | None = None) -> None:
@@ -144,7 +144,7 @@ def turn(key: str, seq: int, task_id: str, *, gap: float, client: Any | None = N
 
     conn = client or redis_state.client()
     names = _keys(key)
-    verdict, nxt = conn.register_script(TURN)(
+    verdict, nxt = redis_state.script(conn, TURN)(
         keys=[names["next"], names["skipped"], names["waiting"], names["head"]],
         args=[seq, int(time.time() * 1000), int(gap * 1000), STATE_TTL, task_id, lease_key("")],
     )
@@ -155,9 +155,8 @@ def done(key: str, seq: int, *, client: Any | None = None) -> bool:
     """Job ``seq`` ended for good: the next one's turn. False if it was not its turn."""
     conn = client or redis_state.client()
     names = _keys(key)
-    return bool(
-        conn.register_script(DONE)(keys=[names["next"], names["waiting"]], args=[seq, STATE_TTL])
-    )
+    done_script = redis_state.script(conn, DONE)
+    return bool(done_script(keys=[names["next"], names["waiting"]], args=[seq, STATE_TTL]))
 
 
 def position(key: str, *, client: Any | None = None) -> tuple[int, int]:

@@ -33,3 +33,20 @@ def client() -> Any:
 def text(value: Any) -> str:
     """A Redis reply (bytes) as text."""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+_scripts: dict[tuple[int, str], tuple[Any, Any]] = {}
+
+
+def script(conn: Any, source: str) -> Any:
+    """``conn.register_script(source)``, made once per client and script.
+
+    Registering hashes the source (SHA1) and builds an object; on the job path that
+    happens for every task, so it is kept. The client is kept with it, so its id is
+    never reused by another client while the entry exists.
+    """
+    entry = _scripts.get((id(conn), source))
+    if entry is None:
+        entry = (conn, conn.register_script(source))
+        _scripts[(id(conn), source)] = entry
+    return entry[1]
