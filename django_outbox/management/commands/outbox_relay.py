@@ -8,7 +8,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_outbox.conf import settings
-from django_outbox.relay import Relay, Wakeup
+from django_outbox.relay import Relay, Wakeup, resolve_celery_settings
 
 
 class Command(BaseCommand):
@@ -44,6 +44,7 @@ class Command(BaseCommand):
         if batch_size is not None and batch_size < 1:
             raise CommandError(f"--batch-size must be at least 1, got {batch_size}")
         relay = Relay(batch_size=batch_size, poll_interval=options["poll_interval"])
+        resolve_celery_settings(relay.app)
         if options["once"]:
             totals = relay.drain()
         else:
