@@ -71,3 +71,19 @@ def test_stop_ends_a_poll_wait_at_once() -> None:
     wakeup.wait(60)
     assert time.monotonic() - started < 5
     assert relay.stopping
+
+
+def test_resolving_celery_settings_keeps_every_value() -> None:
+    from celery import Celery
+    from celery.app import defaults
+
+    from django_outbox.relay import resolve_celery_settings
+
+    app = Celery("resolve-check")
+    app.config_from_object("django.conf:settings", namespace="CELERY")
+    before = {key: app.conf[key] for key in defaults.DEFAULTS}
+    resolve_celery_settings(app)
+    assert {key: app.conf[key] for key in defaults.DEFAULTS} == before
+    # Values the project set (tests/settings.py) survive, not only Celery's defaults.
+    assert app.conf.task_serializer == "json"
+    assert app.conf.broker_transport_options["unacked_restore_interval"] == 1
