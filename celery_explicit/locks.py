@@ -24,7 +24,6 @@ import os
 import random
 import socket
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -113,6 +112,10 @@ class LeaseLock:
         self._acquire = client.register_script(ACQUIRE)
         self._release = client.register_script(RELEASE)
         self._extend = client.register_script(EXTEND)
+        # Resolved once: on the hot path a lock is a few round trips, and label
+        # look-ups and duration conversions would show next to them (bench P4).
+        self._ttl_ms = _ms(self.ttl)
+        self._wait_seconds = metrics.lock_wait_seconds.labels(_family(name))
 
     def acquire(self, *, wait: float = 0.0) -> int:
         """Take the lock, waiting up to ``wait`` seconds; return the fencing token.
@@ -120,19 +123,18 @@ class LeaseLock:
         Raises ``LockNotAcquired`` (with the time waited) when it is still held by
         someone else after ``wait``. Polls with jitter, so waiters do not wake together.
         """
-        token = uuid.uuid4().hex
+        token = os.urandom(16).hex()
         start = time.monotonic()
         deadline = start + max(0.0, wait)
         pause = 0.01
         while True:
             fence = self._acquire(
                 keys=[self.key, self.fence_key],
-                args=[token, _ms(self.ttl), int(time.time() * 1000), self.owner],
+                args=[token, self._ttl_ms, int(time.time() * 1000), self.owner],
             )
             if fence:
                 self.token, self.fence = token, int(fence)
-                waited = time.monotonic() - start
-                metrics.lock_wait_seconds.labels(_family(self.name)).observe(waited)
+                self._wait_seconds.observe(time.monotonic() - start)
                 return self.fence
             now = time.monotonic()
             if now >= deadline:
@@ -151,13 +153,16 @@ class LeaseLock:
     def extend(self, ttl: float | None = None) -> None:
         """Set the expiry to ``ttl`` (default: the lock's ttl) from now, if still owned."""
         token = self._owned_token("extend")
-        seconds = self.ttl if ttl is None else ttl
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
+        if ttl is None:
+            ttl_ms = self._ttl_ms
+        elif isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
             raise LockConfigError(
                 self.name,
-                f"Lock {self.name}: cannot extend by {seconds!r}: ttl must be positive seconds",
+                f"Lock {self.name}: cannot extend by {ttl!r}: ttl must be positive seconds",
             )
-        if not self._extend(keys=[self.key], args=[token, _ms(seconds)]):
+        else:
+            ttl_ms = _ms(ttl)
+        if not self._extend(keys=[self.key], args=[token, ttl_ms]):
             self.token = None
             self._lost("extend", token)
 
