@@ -16,6 +16,7 @@ from celery_explicit.errors import (
     ContractError,
     ExplicitError,
     IdempotencyConflict,
+    LeaseLost,
     LockConfigError,
     LockError,
     LockNotAcquired,
@@ -48,6 +49,7 @@ __all__ = [
     "LockConfigError",
     "LockNotAcquired",
     "LockNotOwned",
+    "LeaseLost",
     "StaleFencingToken",
     "StaleVersion",
 ]

@@ -151,6 +151,13 @@ class StaleFencingToken(ExplicitError):
         )
 
 
+class LeaseLost(StaleFencingToken):
+    """This execution's effect was refused: a newer execution of the same job took its
+    execution lease over while it was paused. Recorded as ``fenced``; the newer one
+    finishes the job. (A ``StaleFencingToken`` from your own ``fenced_update`` is an
+    ordinary error of the handler, classified like any other.)"""
+
+
 class StaleVersion(ExplicitError):
     """A write carried a version older than the one already stored: refused."""
 

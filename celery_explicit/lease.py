@@ -175,13 +175,16 @@ class LeaseKeeper(bootsteps.StartStopStep):
             task = request.task
             if not isinstance(task, ExplicitTask):
                 continue
-            held.add(request.id)
-            if not extend and request.id in self._leased:
+            # Keyed by delivery: a deferral or a retry is a new message with the same
+            # task id, and must get its own lease.
+            tag = request.message.delivery_tag
+            held.add(tag)
+            if not extend and tag in self._leased:
                 continue  # switched off: each message gets its lease once, never more
             pid = request.worker_pid
             if child_is_stopped(pid):
                 metrics.lease_not_extended.labels(task.name, "child_stopped").inc()
-                if request.id in self._leased:
+                if tag in self._leased:
                     continue
                 # Stopped before its first heartbeat: its message still has kombu's
                 # score (its delivery time), so it would wait out the global timeout.
@@ -200,7 +203,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 client=client,
             )
             if moved:
-                self._leased.add(request.id)
+                self._leased.add(tag)
                 metrics.lease_extensions.labels(task.name).inc()
         self._leased &= held
 

@@ -86,19 +86,28 @@ end
 if tonumber(ARGV[2]) - since > tonumber(ARGV[3]) then
     redis.call('set', KEYS[1], seq, 'EX', ARGV[4])
     redis.call('del', KEYS[3])
+    redis.call('set', KEYS[4], ARGV[5], 'EX', ARGV[4])
     return {2, nxt}
 end
 return {0, nxt}
 """
 
-# KEYS[1] - next   KEYS[2] - waiting since   ARGV[1] - this job's number   ARGV[2] - ttl
-# The turn passes on only from the job that holds it.
+# KEYS[1] - next   KEYS[2] - waiting since   KEYS[3] - skipped set
+# ARGV[1] - this job's number   ARGV[2] - ttl
+# The turn passes on only from the job that holds it. A job that ended for good before
+# its turn (bad input, the delivery limit, a dedup drop) gives its number back, so the
+# jobs behind it do not wait for it.
 DONE = """
 local nxt = tonumber(redis.call('get', KEYS[1]) or '1')
-if tonumber(ARGV[1]) == nxt then
+local seq = tonumber(ARGV[1])
+if seq == nxt then
     redis.call('set', KEYS[1], nxt + 1, 'EX', ARGV[2])
     redis.call('del', KEYS[2])
     return 1
+end
+if seq > nxt then
+    redis.call('sadd', KEYS[3], seq)
+    redis.call('expire', KEYS[3], ARGV[2])
 end
 return 0
 """
@@ -152,11 +161,13 @@ def turn(key: str, seq: int, task_id: str, *, gap: float, client: Any | None = N
 
 
 def done(key: str, seq: int, *, client: Any | None = None) -> bool:
-    """Job ``seq`` ended for good: the next one's turn. False if it was not its turn."""
+    """Job ``seq`` ended for good: the next one's turn. False if it was not its turn
+    (a job ahead of its turn gives its number back instead)."""
     conn = client or redis_state.client()
     names = _keys(key)
     done_script = redis_state.script(conn, DONE)
-    return bool(done_script(keys=[names["next"], names["waiting"]], args=[seq, STATE_TTL]))
+    keys = [names["next"], names["waiting"], names["skipped"]]
+    return bool(done_script(keys=keys, args=[seq, STATE_TTL]))
 
 
 def position(key: str, *, client: Any | None = None) -> tuple[int, int]:

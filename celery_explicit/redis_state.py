@@ -26,7 +26,9 @@ def client() -> Any:
     url = settings.redis_url
     with _clients_lock:
         if url not in _clients:
-            _clients[url] = redis.Redis.from_url(url)
+            # Timeouts: the worker's main loop extends leases with this client, and
+            # a Redis that stops answering must not stall it.
+            _clients[url] = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
         return _clients[url]
 
 

@@ -31,6 +31,7 @@ from celery import Task, current_task
 from celery.exceptions import Ignore, InvalidTaskError, Reject, Retry, SoftTimeLimitExceeded
 from celery.worker.request import Request
 from django.db import DatabaseError, connections
+from django.db import Error as DjangoDbError
 from django.utils import timezone
 
 from celery_explicit import contract as contract_mod
@@ -43,7 +44,7 @@ from celery_explicit.errors import (
     DeliveryLimitExceeded,
     ExplicitError,
     IdempotencyConflict,
-    StaleFencingToken,
+    LeaseLost,
 )
 from celery_explicit.retry_policy import Classification
 
@@ -153,24 +154,31 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         """
         headers = dict(options.pop("headers", None) or {})
         dedup_claim: tuple[str, str] | None = None
+        order_key: str | None = None
         taken_place: tuple[str, int] | None = None
         if options.pop(_RETRY_OPTION, False):
             # Re-publishing this job for a retry or a deferral: its arguments were bound
             # and its key rendered when it started, and it keeps its dedup claim (same
             # task id). Nothing here may fail, or Celery would drop the message.
-            running = getattr(self.request, "explicit", None)
-            if isinstance(running, Execution):
-                headers[idempotency.KEY_HEADER] = running.key
-                headers.setdefault(idempotency.CORRELATION_HEADER, running.correlation_id)
-            place = _ordering_place(self.request)
-            if place is not None:
-                # Its place in its entity's order does not change when it runs again.
-                headers[ordering_mod.KEY_HEADER], headers[ordering_mod.SEQ_HEADER] = place
+            self._carry_headers(headers)
         else:
             _arguments, given = self.bind_arguments(tuple(args or ()), dict(kwargs or {}))
             headers[idempotency.KEY_HEADER] = idempotency.render_key(
                 self.name, self.contract.idempotency_key, given
             )
+            ordering = self.contract.ordering
+            if ordering is not None:
+                # Rendered before anything is claimed: bad input claims nothing.
+                order_key = idempotency.render_key(
+                    self.name, ordering.key, given, label="ordering key"
+                )
+                running_place = _ordering_place(self.request)
+                if running_place is not None and task_id and task_id == self.request.id:
+                    # The handler's own self.retry(): the same job keeps its place.
+                    order_key = None
+                    headers[ordering_mod.KEY_HEADER], headers[ordering_mod.SEQ_HEADER] = (
+                        running_place
+                    )
             dedup = self.contract.dedup
             if dedup is not None and idempotency.REPLAY_HEADER not in headers:
                 task_id = task_id or str(uuid.uuid4())
@@ -191,19 +199,15 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                     )
                     return self.AsyncResult(owner)
                 dedup_claim = (dedup_id, task_id)
-            ordering = self.contract.ordering
-            if ordering is not None:
-                order_key = idempotency.render_key(
-                    self.name, ordering.key, given, label="ordering key"
-                )
-                seq = ordering_mod.take_number(order_key)
-                headers[ordering_mod.KEY_HEADER], headers[ordering_mod.SEQ_HEADER] = order_key, seq
-                taken_place = (order_key, seq)
             if idempotency.CORRELATION_HEADER not in headers and current_task:
                 correlation = getattr(current_task.request, idempotency.CORRELATION_HEADER, None)
                 if correlation:
                     headers[idempotency.CORRELATION_HEADER] = correlation
         try:
+            if order_key is not None:
+                seq = ordering_mod.take_number(order_key)
+                taken_place = (order_key, seq)
+                headers[ordering_mod.KEY_HEADER], headers[ordering_mod.SEQ_HEADER] = taken_place
             return super().apply_async(
                 args,
                 kwargs,
@@ -225,6 +229,22 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 dedup_mod.release(self.name, *dedup_claim)
             raise
 
+    def _carry_headers(self, headers: dict[str, Any]) -> None:
+        """The running job's own headers, for its re-publish (a retry, a deferral)."""
+        request = self.request
+        running = getattr(request, "explicit", None)
+        if isinstance(running, Execution):
+            headers[idempotency.KEY_HEADER] = running.key
+            headers.setdefault(idempotency.CORRELATION_HEADER, running.correlation_id)
+        replay = getattr(request, idempotency.REPLAY_HEADER, None)
+        if replay is not None:
+            # An operator's replay stays one: its dedup id is not a duplicate.
+            headers.setdefault(idempotency.REPLAY_HEADER, replay)
+        place = _ordering_place(request)
+        if place is not None:
+            # Its place in its entity's order does not change when it runs again.
+            headers[ordering_mod.KEY_HEADER], headers[ordering_mod.SEQ_HEADER] = place
+
     def _retry(self, exc: Exception, countdown: float) -> Retry:
         """``self.retry`` that cannot lose the message.
 
@@ -233,7 +253,8 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         its backoff, but it is not lost), and skip re-validation on the re-publish.
         """
         options: dict[str, Any] = {_RETRY_OPTION: True}
-        self._hand_back_execution_lease()
+        if not self._hand_back_execution_lease():
+            raise self._end_without_republishing("retry")
         try:
             retry: Retry = self.retry(exc=exc, countdown=countdown, max_retries=None, **options)
         except Reject as reject:
@@ -318,8 +339,8 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         if self.contract.ordering is not None:
             self._wait_for_turn(execution, request, args, kwargs)
 
-        self._take_execution_lease(execution, request, args, kwargs)
         try:
+            self._take_execution_lease(execution, request, args, kwargs)
             return self._run_leased(execution, request, args, kwargs)
         finally:
             if execution.fence is not None:
@@ -405,7 +426,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             metrics.duplicates_absorbed.labels(self.name, "arguments").inc()
             self._terminal(execution, request, args, kwargs, exc, "CONFLICT")
             raise
-        except StaleFencingToken as exc:
+        except LeaseLost as exc:
             # This execution lost its lease while paused and a newer one runs the job
             # now: nothing of this attempt committed, and the message is the newer
             # one's to finish. Recorded, not retried, not dead-lettered.
@@ -500,28 +521,54 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             execution_lease.record_takeover(
                 execution.task_id, execution.key, lease.fence, lease.took_over_from
             )
-        except DatabaseError as exc:
+        except DjangoDbError as exc:
             # Without the fence row the stale holder could still commit: do not run.
+            # Keep the lease (it runs out by itself) rather than release it: releasing
+            # would erase the "not released" marker, and the retry would then take a
+            # fresh lease with no takeover to record.
+            execution.fence = None
             raise self._retry(exc, _rng.uniform(1.0, 5.0)) from exc
 
-    def _hand_back_execution_lease(self) -> None:
-        """Before re-publishing this job: its next message must find the lease free."""
+    def _hand_back_execution_lease(self) -> bool:
+        """Before re-publishing this job: its next message must find the lease free.
+
+        False when the lease had been taken over meanwhile: another execution owns the
+        job now, and this one must not publish a second live copy of it.
+        """
         execution = getattr(self.request, "explicit", None)
         if isinstance(execution, Execution) and execution.fence is not None:
             self._release_execution_lease(execution)
             execution.fence = None
+            return not execution.lost_lease
+        return True
+
+    def _end_without_republishing(self, what: str) -> Ignore:
+        """The lease was lost: leave the job to the execution that took it over."""
+        execution = self._execution()
+        logger.warning(
+            "%s not published: a newer execution of job %s took its lease over",
+            what,
+            execution.task_id,
+            extra={"task": self.name, "job_id": execution.task_id},
+        )
+        return Ignore()
 
     def _release_execution_lease(self, execution: Execution) -> None:
         import redis
 
         assert execution.fence is not None
         try:
-            execution_lease.release(execution.task_id, execution.fence)
+            released = execution_lease.release(execution.task_id, execution.fence)
         except redis.RedisError:
             logger.warning(
                 "could not release the execution lease (it runs out by itself)",
                 extra={"task": self.name, "job_id": execution.task_id},
             )
+            return
+        if not released:
+            # Taken over while this execution ran (it was paused past its lease): the
+            # job is the newer execution's now, its turn included.
+            execution.lost_lease = True
 
     def _defer(
         self,
@@ -536,7 +583,8 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         Same task id and retry count, no attempt used; the pool slot is free at once.
         """
         again: dict[str, Any] = {_RETRY_OPTION: True}
-        self._hand_back_execution_lease()
+        if not self._hand_back_execution_lease():
+            raise self._end_without_republishing("deferral")
         try:
             self.apply_async(
                 args,

@@ -18,6 +18,7 @@ Usage, inside a task (``ExplicitTask.effect()`` fills in the key)::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from django.db import DatabaseError, connections, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from celery_explicit.errors import IdempotencyConflict, StaleFencingToken
+from celery_explicit.errors import IdempotencyConflict, LeaseLost
 from django_outbox.conf import settings
 from django_outbox.models import Fence, ProcessedOperation
 
@@ -154,10 +155,11 @@ def effect(
             try:
                 trips.execute_and_commit(statements)
             except DatabaseError as exc:
-                if _STALE not in str(exc):
+                # The marker is ours; the server's wording around it may be localized.
+                found = re.search(rf"{_STALE} (\d+)", str(exc))
+                if found is None:
                     raise
-                newer = int(str(exc).split(_STALE, 1)[1].split('"')[0])
-                raise _stale(task_id, key, fence, newer) from None
+                raise _stale(task_id, key, fence, int(found.group(1))) from None
         else:
             with connection.cursor() as cursor:
                 for sql, statement_params in statements:
@@ -169,8 +171,8 @@ def effect(
                         raise _stale(task_id, key, fence, int(newer_row[0]))
 
 
-def _stale(task_id: str, key: str, fence: int | None, newer: int) -> StaleFencingToken:
-    return StaleFencingToken(
+def _stale(task_id: str, key: str, fence: int | None, newer: int) -> LeaseLost:
+    return LeaseLost(
         f"effect {key!r} of job {task_id}",
         token=fence or 0,
         current=newer,

@@ -14,7 +14,7 @@ import pytest
 from django.utils import timezone
 
 from celery_explicit import execution_lease
-from celery_explicit.errors import StaleFencingToken
+from celery_explicit.errors import LeaseLost
 from django_outbox import ledger
 from django_outbox.models import Fence, ProcessedOperation
 
@@ -88,7 +88,7 @@ def test_effect_of_a_fenced_out_execution_does_not_commit(settings, job, round_t
     settings.EXPLICIT_LEDGER_ROUND_TRIPS = round_trips
     Fence.objects.create(task_id=job, token=10, taken_over_at=timezone.now())
     key = f"k:{job}"
-    with pytest.raises(StaleFencingToken) as refused, ledger.effect(
+    with pytest.raises(LeaseLost) as refused, ledger.effect(
         key=key, fingerprint="f", task_name="t", task_id=job, fence=9
     ):
         pass
@@ -107,3 +107,20 @@ def test_record_takeover_keeps_the_largest_token(db, job) -> None:
     assert Fence.objects.get(task_id=job).token == 7
     execution_lease.record_takeover(job, "k", 9, "h:3")
     assert Fence.objects.get(task_id=job).token == 9
+
+
+def test_a_takeover_not_released_stays_a_takeover(redis_client, job) -> None:
+    """A takeover whose Fence row could not be written keeps its lease (no release):
+    the next execution must still see a takeover, or no fence would ever be written."""
+    import time
+
+    stale = execution_lease.acquire(job, ttl=0.05, client=redis_client)
+    assert isinstance(stale, execution_lease.Taken)
+    time.sleep(0.1)
+    newer = execution_lease.acquire(job, ttl=0.05, client=redis_client)
+    assert isinstance(newer, execution_lease.Taken) and newer.cause == "lease_expired"
+    time.sleep(0.1)  # the database was down: it retries later without releasing
+    again = execution_lease.acquire(job, ttl=5, client=redis_client)
+    assert isinstance(again, execution_lease.Taken)
+    assert again.cause == "lease_expired" and again.fence > newer.fence > stale.fence
+    execution_lease.release(job, again.fence, client=redis_client)

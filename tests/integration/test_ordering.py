@@ -23,8 +23,8 @@ def test_jobs_take_turns_in_publish_order(redis_client, key) -> None:
     assert not ordering.turn(key, 2, "t2", gap=60, client=redis_client).run
     assert not ordering.turn(key, 3, "t3", gap=60, client=redis_client).run
     assert ordering.turn(key, 1, "t1", gap=60, client=redis_client).run
-    assert not ordering.done(key, 2, client=redis_client)  # not its turn: nothing moves
     assert ordering.done(key, 1, client=redis_client)
+    assert not ordering.done(key, 1, client=redis_client)  # a second end moves nothing
     assert ordering.turn(key, 2, "t2", gap=60, client=redis_client).run
     assert not ordering.turn(key, 3, "t3", gap=60, client=redis_client).run
     assert ordering.position(key, client=redis_client) == (3, 2)
@@ -90,3 +90,29 @@ def test_a_failed_publish_gives_its_number_back(redis_client, queue) -> None:
     # Job 2 does not wait for job 1, which was never published.
     assert ordering.turn(f"order:{order_id}", 2, "t2", gap=60, client=redis_client).run
     redis_client.delete(queue)
+
+
+def test_a_job_that_skipped_ahead_is_not_skipped_while_it_runs(redis_client, key) -> None:
+    for _ in range(3):
+        ordering.take_number(key, client=redis_client)
+    assert not ordering.turn(key, 2, "t2", gap=0.2, client=redis_client).run
+    time.sleep(0.3)
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    assert ordering.turn(key, 2, job, gap=0.2, client=redis_client).skipped_ahead
+    lease = execution_lease.acquire(job, ttl=5, client=redis_client)
+    assert isinstance(lease, execution_lease.Taken)
+    for _ in range(4):  # longer than the gap: job 2 is alive, job 3 waits
+        assert not ordering.turn(key, 3, "t3", gap=0.2, client=redis_client).run
+        time.sleep(0.1)
+    execution_lease.release(job, lease.fence, client=redis_client)
+
+
+def test_a_job_that_ends_before_its_turn_gives_its_number_back(redis_client, key) -> None:
+    for _ in range(3):
+        ordering.take_number(key, client=redis_client)
+    # Job 2 is dead-lettered (bad input, delivery limit) before job 1 ran.
+    assert not ordering.done(key, 2, client=redis_client)
+    assert ordering.turn(key, 1, "t1", gap=60, client=redis_client).run
+    assert ordering.done(key, 1, client=redis_client)
+    turn = ordering.turn(key, 3, "t3", gap=60, client=redis_client)
+    assert turn.run and not turn.skipped_ahead and turn.next_seq == 3
