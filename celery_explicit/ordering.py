@@ -31,6 +31,9 @@ State in Redis (``EXPLICIT_REDIS_URL``), per key, expiring a week after last use
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,10 +127,31 @@ def _keys(key: str) -> dict[str, str]:
     }
 
 
+_recording: ContextVar[list[tuple[str, int]] | None] = ContextVar(
+    "explicit_ordering_numbers", default=None
+)
+
+
+@contextmanager
+def record_numbers() -> Iterator[list[tuple[str, int]]]:
+    """Collect the numbers taken inside the block: a publisher that buffers messages
+    (the outbox relay's batch) gives them back if the buffer is thrown away."""
+    taken: list[tuple[str, int]] = []
+    token = _recording.set(taken)
+    try:
+        yield taken
+    finally:
+        _recording.reset(token)
+
+
 def take_number(key: str, *, client: Any | None = None) -> int:
     """The job's place in its entity's order; taken just before it is published."""
     conn = client or redis_state.client()
-    return int(redis_state.script(conn, PUBLISH)(keys=[_keys(key)["published"]], args=[STATE_TTL]))
+    seq = int(redis_state.script(conn, PUBLISH)(keys=[_keys(key)["published"]], args=[STATE_TTL]))
+    recording = _recording.get()
+    if recording is not None:
+        recording.append((key, seq))
+    return seq
 
 
 def give_back(key: str, seq: int, *, client: Any | None = None) -> None:

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -199,8 +200,8 @@ def check_outbox_settings(
         problems.append(f"an EXPLICIT_OUTBOX_* setting is not a number: {exc}")
         values = {}
     for name, (value, least) in values.items():
-        if not value >= least:  # NaN too
-            problems.append(f"{name}={value!r} must be at least {least:g}")
+        if not least <= value < math.inf:  # NaN too; an infinite wait breaks select()
+            problems.append(f"{name}={value!r} must be a finite number, at least {least:g}")
     if values and settings.outbox_backoff_cap < settings.outbox_backoff_base:
         problems.append(
             f"EXPLICIT_OUTBOX_BACKOFF_CAP={settings.outbox_backoff_cap:g} is shorter than "
@@ -208,8 +209,8 @@ def check_outbox_settings(
         )
     channel = settings.outbox_notify_channel
     if len(channel.encode()) > 63:
-        # PostgreSQL truncates identifiers at 63 bytes: writer and relay would still
-        # agree, but the name in the settings is not the one in pg_listening_channels().
+        # pg_notify() refuses a channel name past 63 bytes: every outbox write would
+        # fail inside its business transaction.
         problems.append(f"EXPLICIT_OUTBOX_NOTIFY_CHANNEL={channel!r} is longer than 63 bytes")
     return [
         checks.Error(

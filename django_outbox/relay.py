@@ -67,6 +67,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import Celery, Task
+from celery.exceptions import QueueNotFound
 from django.db import DatabaseError, connections, transaction
 from django.db.models import F
 from django.db.models.functions import Now
@@ -77,7 +78,7 @@ from kombu import exceptions as kombu_exceptions
 from kombu.exceptions import OperationalError
 from prometheus_client import Counter, Histogram
 
-from celery_explicit import idempotency
+from celery_explicit import idempotency, ordering
 from celery_explicit.errors import BadInput
 from celery_explicit.metrics import dead_letters as dead_letters_total
 from celery_explicit.retry_policy import backoff_delay
@@ -160,21 +161,39 @@ class Claimed:
     ordering_key: str
     attempts: int
     created_at: datetime
+    #: What is wrong with a row whose columns do not have the shapes the relay
+    #: writes (an older row, a hand-made one): it is dead-lettered, not published.
+    malformed: str = ""
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> Claimed:
         id_, event_id, task_name, args, kwargs, headers, options, key, attempts, created = row
+        values = {
+            "args": (_json(args), list),
+            "kwargs": (_json(kwargs), dict),
+            "headers": (_json(headers), dict),
+            "options": (_json(options), dict),
+        }
+        wrong = [
+            f"{name} is {type(value).__name__}, not {kind.__name__}"
+            for name, (value, kind) in values.items()
+            if not isinstance(value, kind)
+        ]
+        # A malformed column is replaced by an empty one so the dead letter can be
+        # written; the original stays on the outbox row.
+        clean = {
+            name: value if isinstance(value, kind) else kind()
+            for name, (value, kind) in values.items()
+        }
         return cls(
             id=id_,
             event_id=str(event_id),
             task_name=task_name,
-            args=_json(args),
-            kwargs=_json(kwargs),
-            headers=_json(headers),
-            options=_json(options),
             ordering_key=key,
             attempts=attempts,
             created_at=_aware(created),
+            malformed="; ".join(wrong),
+            **clean,
         )
 
 
@@ -355,27 +374,33 @@ class Relay:
             sent: list[Claimed] = []
             dropped: list[Claimed] = []
             producer = None
-            try:
-                producer = self._get_producer()
-                # max_size: a whole batch in one pipeline (two commands a message at most).
-                with _batch(producer, max_size=2 * len(events) + 1):
-                    for event in events:
-                        outcome = self._publish(event, producer)
-                        if outcome is OutboxStatus.PUBLISHED:
-                            sent.append(event)
-                        elif outcome is OutboxStatus.DEDUPLICATED:
-                            dropped.append(event)
-                        elif outcome is OutboxStatus.DEAD_LETTER:
-                            result.dead_lettered += 1
-                        else:
-                            result.failed += 1
-            except self._broker_errors() as exc:
-                result.broker_error = exc
-                if producer is None or getattr(producer, "supports_batch_publish", False):
-                    # Buffered messages were discarded, or the flush failed with an
-                    # uncertain outcome: publish them all again later (at least once).
-                    sent.clear()
-                self._close_broker()
+            with ordering.record_numbers() as taken:
+                try:
+                    producer = self._get_producer()
+                    # max_size: a whole batch in one pipeline (two commands a message at
+                    # most).
+                    with _batch(producer, max_size=2 * len(events) + 1):
+                        for event in events:
+                            outcome = self._publish(event, producer)
+                            if outcome is OutboxStatus.PUBLISHED:
+                                sent.append(event)
+                            elif outcome is OutboxStatus.DEDUPLICATED:
+                                dropped.append(event)
+                            elif outcome is OutboxStatus.DEAD_LETTER:
+                                result.dead_lettered += 1
+                            else:
+                                result.failed += 1
+                except self._broker_errors() as exc:
+                    result.broker_error = exc
+                    if producer is None or getattr(producer, "supports_batch_publish", False):
+                        # Buffered messages were discarded, or the flush failed with an
+                        # uncertain outcome: publish them all again later (at least
+                        # once). They take new numbers in their entities' order then;
+                        # give these back, or the entities' later jobs would wait for
+                        # them until their ordering gap.
+                        sent.clear()
+                        self._give_back_numbers(taken)
+                    self._close_broker()
             self._mark(sent, OutboxStatus.PUBLISHED)
             self._mark(dropped, OutboxStatus.DEDUPLICATED)
         result.published = len(sent)
@@ -405,6 +430,14 @@ class Relay:
 
     def _publish(self, event: Claimed, producer: Any) -> OutboxStatus | None:
         """Publish one event; returns its new status, None if it stays pending."""
+        if event.malformed:
+            self._dead_letter(
+                event,
+                DeadLetterReason.BAD_INPUT,
+                error_class="django_outbox.relay.MalformedEvent",
+                message=f"outbox event columns have the wrong shape: {event.malformed}",
+            )
+            return OutboxStatus.DEAD_LETTER
         task: Task[Any, Any] | None = self.app.tasks.get(event.task_name)
         if task is None:
             self._dead_letter(
@@ -433,6 +466,11 @@ class Relay:
                 event, DeadLetterReason.BAD_INPUT, error_class=_qualname(exc), message=str(exc)
             )
             return OutboxStatus.DEAD_LETTER
+        except QueueNotFound as exc:
+            # A KeyError, which kombu's Redis transport counts among its connection
+            # errors: caught first, or one event naming a removed queue would look like
+            # a broker outage and hold the whole outbox back forever.
+            return self._fail(event, exc)
         except self._broker_errors():
             raise
         except Exception as exc:
@@ -444,6 +482,21 @@ class Relay:
         if sent is not None and getattr(sent, "id", event_id) != event_id:
             return OutboxStatus.DEDUPLICATED
         return OutboxStatus.PUBLISHED
+
+    @staticmethod
+    def _give_back_numbers(taken: list[tuple[str, int]]) -> None:
+        import redis
+
+        for key, seq in taken:
+            try:
+                ordering.give_back(key, seq)
+            except redis.RedisError:
+                logger.warning(
+                    "ordering %s: could not give number %d back (its entity waits out "
+                    "its ordering gap)",
+                    key,
+                    seq,
+                )
 
     def _mark(self, events: list[Claimed], status: OutboxStatus) -> None:
         if not events:
@@ -557,6 +610,12 @@ class Relay:
             TimeoutError,
             redis.ConnectionError,
             redis.TimeoutError,
+            # The Redis holding dedup ids and ordering numbers failing over or full:
+            # an outage to wait out, not a fault of the event at hand.
+            redis.exceptions.ReadOnlyError,
+            redis.exceptions.OutOfMemoryError,
+            redis.exceptions.TryAgainError,
+            redis.exceptions.BusyLoadingError,
             *transport_errors,
         )
 

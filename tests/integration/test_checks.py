@@ -91,3 +91,19 @@ def test_ledger_database_is_supported() -> None:
 @pytest.mark.django_db
 def test_models_and_migrations_agree() -> None:
     call_command("makemigrations", "--check", "--dry-run", verbosity=0)
+
+
+def test_outbox_settings_the_relay_cannot_run_with_are_errors() -> None:
+    assert checks.check_outbox_settings() == []
+    with override_settings(EXPLICIT_OUTBOX_BATCH_SIZE=0,
+                           EXPLICIT_OUTBOX_POLL_INTERVAL=float("inf"),
+                           EXPLICIT_OUTBOX_NOTIFY_CHANNEL="c" * 64):
+        found = checks.check_outbox_settings()
+    messages = " | ".join(m.msg for m in found)
+    assert ids(found) == ["django_outbox.E006"] * 3
+    assert "EXPLICIT_OUTBOX_BATCH_SIZE=0 must be a finite number, at least 1" in messages
+    assert "EXPLICIT_OUTBOX_POLL_INTERVAL=inf must be a finite number" in messages
+    assert "longer than 63 bytes" in messages
+    with override_settings(EXPLICIT_OUTBOX_BACKOFF_BASE=10, EXPLICIT_OUTBOX_BACKOFF_CAP=1):
+        (cap,) = checks.check_outbox_settings()
+    assert "is shorter than EXPLICIT_OUTBOX_BACKOFF_BASE" in cap.msg

@@ -116,3 +116,16 @@ def test_a_job_that_ends_before_its_turn_gives_its_number_back(redis_client, key
     assert ordering.done(key, 1, client=redis_client)
     turn = ordering.turn(key, 3, "t3", gap=60, client=redis_client)
     assert turn.run and not turn.skipped_ahead and turn.next_seq == 3
+
+
+def test_numbers_taken_in_a_block_are_recorded_for_giving_back(redis_client, key) -> None:
+    with ordering.record_numbers() as taken:
+        first = ordering.take_number(key, client=redis_client)
+        second = ordering.take_number(key, client=redis_client)
+    assert taken == [(key, first), (key, second)]
+    ordering.take_number(key, client=redis_client)  # outside: not recorded
+    assert len(taken) == 2
+    for number in taken:  # the relay's batch was thrown away
+        ordering.give_back(*number, client=redis_client)
+    turn = ordering.turn(key, 3, "t3", gap=60, client=redis_client)
+    assert turn.run and turn.next_seq == 3

@@ -312,3 +312,44 @@ def test_sqlite_relay_polls_without_listen_notify(tmp_path: Path, queue, redis_c
         if relay.poll() is None:
             relay.kill()
         log.close()
+
+
+def test_an_event_naming_a_missing_queue_is_its_own_failure(queue, redis_client) -> None:
+    """QueueNotFound is a KeyError, which kombu's Redis transport counts as a connection
+    error: it must not pass for a broker outage that holds every event back."""
+    from tests.celery_app import app
+
+    missing = OutboxEvent.objects.create(task_name="tests.note", kwargs={"name": "m"},
+                                         options={"queue": f"{queue}-removed"})
+    with transaction.atomic():  # to the default queue: the only one configured
+        good = publish_event("tests.note", {"name": "good"})
+    default_queue = app.conf.task_default_queue
+    # The app's queue table reads task_create_missing_queues once, when first built.
+    queues = app.amqp.queues
+    queues.create_missing = False
+    try:
+        result = Relay(rng=LongestBackoff()).drain()
+    finally:
+        queues.create_missing = True
+    try:
+        assert result.broker_error is None
+        assert (result.published, result.failed) == (1, 1)
+        assert good in [m["id"] for m in queued(redis_client, default_queue)]
+    finally:
+        redis_client.delete(default_queue)
+    missing.refresh_from_db()
+    assert (missing.status, missing.attempts) == (OutboxStatus.PENDING, 1)
+    assert "QueueNotFound" in missing.last_error
+
+
+def test_a_malformed_row_is_dead_lettered_not_fatal(queue, redis_client) -> None:
+    malformed = OutboxEvent.objects.create(task_name="tests.note", kwargs={"name": "x"},
+                                           headers=["not", "a", "dict"],
+                                           options={"queue": queue})
+    good = publish_in_transaction({"name": "good"}, queue)
+    result = Relay().drain()
+    assert (result.published, result.dead_lettered) == (1, 1)
+    assert [m["id"] for m in queued(redis_client, queue)] == [good]
+    letter = DeadLetter.objects.get(task_id=str(malformed.event_id))
+    assert letter.reason == DeadLetterReason.BAD_INPUT
+    assert "headers is list, not dict" in letter.error_message
