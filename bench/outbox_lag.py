@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 
-from common import DB_NAME, ROOT, setup_django
+from common import DB_NAME, ROOT, setup_django, vacuum
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -58,6 +58,7 @@ def main() -> None:
     from django_outbox.models import OutboxEvent
 
     OutboxEvent.objects.all().delete()
+    vacuum()
     broker = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)
     broker.delete(queue)
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings",

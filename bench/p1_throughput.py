@@ -17,7 +17,7 @@ import sys
 import time
 import uuid
 
-from common import DB_NAME, ROOT, setup_django, summary
+from common import DB_NAME, ROOT, setup_django, summary, vacuum
 
 
 def main() -> None:
@@ -40,6 +40,7 @@ def main() -> None:
     ProcessedOperation.objects.all().delete()
     Attempt.objects.all().delete()
     Row.objects.bulk_create(Row(id=i) for i in range(100))
+    vacuum()
 
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings",
            "EXPLICIT_TEST_DB_NAME": DB_NAME, "PYTHONPATH": str(ROOT)}

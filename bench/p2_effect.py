@@ -12,7 +12,7 @@ import argparse
 import time
 import uuid
 
-from common import setup_django, summary
+from common import setup_django, summary, vacuum
 
 
 def main() -> None:
@@ -32,6 +32,7 @@ def main() -> None:
     Row.objects.all().delete()
     ProcessedOperation.objects.all().delete()
     Row.objects.bulk_create(Row(id=i) for i in range(100))
+    vacuum()
 
     def bare(keys: list[str]) -> float:
         start = time.perf_counter()

@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any
 
-from common import setup_django, summary
+from common import setup_django, summary, vacuum
 
 
 def main() -> None:
@@ -48,6 +48,7 @@ def main() -> None:
 
     def fill() -> None:
         OutboxEvent.objects.all().delete()
+        vacuum()  # each round starts without the last round's dead rows
         OutboxEvent.objects.bulk_create(
             OutboxEvent(
                 task_name=task.name,

@@ -202,6 +202,8 @@ class BatchResult:
     """What one ``relay_batch()`` did."""
 
     claimed: int = 0
+    #: Events with an ordering key were among those claimed.
+    keyed: bool = False
     published: int = 0
     deduplicated: int = 0
     dead_lettered: int = 0
@@ -316,7 +318,14 @@ class Relay:
                     self._back_off(outages, "broker unavailable", result.broker_error)
                     continue
                 outages = 0
-                if result.claimed == 0:
+                if result.claimed == 0 or (
+                    result.claimed < self.batch_size and not result.keyed
+                ):
+                    # Nothing more is claimable now: a short batch without ordering
+                    # keys took everything pending (a commit since then has its NOTIFY
+                    # waiting, so the wait returns at once). After keyed events, look
+                    # again at once: each key's next event became claimable only when
+                    # this batch committed, and nothing announces it.
                     wakeup.wait(self.poll_interval)
         finally:
             wakeup.close()
@@ -371,6 +380,7 @@ class Relay:
             result.claimed = len(events)
             if not events:
                 return result
+            result.keyed = any(event.ordering_key for event in events)
             sent: list[Claimed] = []
             dropped: list[Claimed] = []
             producer = None
@@ -401,6 +411,13 @@ class Relay:
                         sent.clear()
                         self._give_back_numbers(taken)
                     self._close_broker()
+            if connections[self.using].vendor == "postgresql":
+                # The marks need not wait for the WAL flush: lost in a server crash,
+                # they leave their events pending, and those are published again (at
+                # least once, as after a relay crash). The flush was the largest cost
+                # of a small batch.
+                with connections[self.using].cursor() as cursor:
+                    cursor.execute("SET LOCAL synchronous_commit TO OFF")
             self._mark(sent, OutboxStatus.PUBLISHED)
             self._mark(dropped, OutboxStatus.DEDUPLICATED)
         result.published = len(sent)
