@@ -318,9 +318,7 @@ class Relay:
                     self._back_off(outages, "broker unavailable", result.broker_error)
                     continue
                 outages = 0
-                if result.claimed == 0 or (
-                    result.claimed < self.batch_size and not result.keyed
-                ):
+                if result.claimed == 0 or (result.claimed < self.batch_size and not result.keyed):
                     # Nothing more is claimable now: a short batch without ordering
                     # keys took everything pending (a commit since then has its NOTIFY
                     # waiting, so the wait returns at once). After keyed events, look
