@@ -48,8 +48,11 @@ def test_each_entity_ends_in_its_last_event(start_worker, redis_client, queue, b
         for order, seq in shuffled_interleaving(random.Random(7)):
             task.apply_async(kwargs={"order_id": order, "seq": seq, "tag": tag}, queue=queue,
                              connection=conn)
-    wait_for(lambda: Attempt.objects.filter(task_name=task.name).count() == ORDERS * EVENTS,
-             timeout=90, what="every event applied")
+    # The handler notes a run in Redis just after its effect (and attempt row) commit:
+    # wait for both, or the last note of an entity may still be on its way.
+    wait_for(lambda: Attempt.objects.filter(task_name=task.name).count() >= ORDERS * EVENTS
+             and sum(redis_client.llen(f"applied:{tag}:{order}") for order in range(ORDERS))
+             == ORDERS * EVENTS, timeout=90, what="every event applied and noted")
     final = dict(OrderState.objects.values_list("order_id", "status"))
     wrong = {order: status for order, status in final.items() if status != str(EVENTS)}
     runs = {order: [int(s) for s in redis_client.lrange(f"applied:{tag}:{order}", 0, -1)]
