@@ -101,8 +101,9 @@ def test_rabbitmq_redelivery_after_connection_loss_does_not_run_concurrently(
         # Every connection drops; the broker requeues the unacked message at once.
         subprocess.run(["rabbitmqctl", "close_all_connections", "test: connection loss"],
                        check=True, capture_output=True, timeout=30)
+        # Both executions end, and note their span (just after their commit).
         wait_for(lambda op=op: Attempt.objects.filter(idempotency_key=f"line:{op}:{op}")
-                 .values_list("outcome", flat=True).count() >= 2,
+                 .count() >= 2 and redis_client.llen(f"spans:{op}") >= 2,
                  timeout=40, what="the redelivered execution to end")
     results = {}
     for op in ops:
