@@ -231,27 +231,19 @@ class LiveExecution:
 
 
 def live_executions(client: Any, *, prefix: str = PREFIX) -> list[LiveExecution]:
-    """Every execution lease in Redis (SCAN, not KEYS), soonest to expire first."""
-    found = []
+    """Every execution lease in Redis, soonest to expire first."""
     now_ms = _now_ms()
-    head = f"{prefix}run:"
-    for raw_key in client.scan_iter(match=f"{head}*", count=500, _type="STRING"):
-        key = text(raw_key)
-        pipe = client.pipeline(transaction=False)
-        pipe.get(key)
-        pipe.pttl(key)
-        value, ttl_ms = pipe.execute()
-        if value is None or int(ttl_ms) < 0:
-            continue  # released between SCAN and now
-        fence, holder = _parse(text(value))
-        acquired_ms = int(text(value).rsplit("|", 1)[1])
+    found = []
+    for task_id, value, ttl_ms in redis_state.live_strings(client, f"{prefix}run:"):
+        fence, holder = _parse(value)
+        acquired_ms = int(value.rsplit("|", 1)[1])
         found.append(
             LiveExecution(
-                task_id=key[len(head) :],
+                task_id=task_id,
                 owner=holder,
                 fence=fence,
                 age=max(0.0, (now_ms - acquired_ms) / 1000.0),
-                expires_in=int(ttl_ms) / 1000.0,
+                expires_in=ttl_ms / 1000.0,
             )
         )
     return sorted(found, key=lambda lease: lease.expires_in)

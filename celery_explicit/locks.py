@@ -31,7 +31,7 @@ from typing import Any
 
 from celery_explicit import metrics
 from celery_explicit.errors import LockConfigError, LockNotAcquired, LockNotOwned
-from celery_explicit.redis_state import PREFIX, text
+from celery_explicit.redis_state import PREFIX, live_strings
 
 logger = logging.getLogger("celery_explicit.locks")
 
@@ -208,25 +208,18 @@ class LeaseLock:
 
 
 def live_locks(client: Any, *, prefix: str = PREFIX) -> list[LiveLock]:
-    """Every lock currently held, with owner, age and time left (SCAN, not KEYS)."""
-    found = []
+    """Every lock currently held, with owner, age and time left."""
     now_ms = time.time() * 1000
-    for raw_key in client.scan_iter(match=f"{prefix}lock:*", count=500, _type="STRING"):
-        key = text(raw_key)
-        pipe = client.pipeline(transaction=False)
-        pipe.get(key)
-        pipe.pttl(key)
-        value, pttl = pipe.execute()
-        if not value or pttl < 0:
-            continue  # released or expired between SCAN and now
-        _token, fence, acquired_ms, owner = text(value).split("|", 3)
+    found = []
+    for name, value, ttl_ms in live_strings(client, f"{prefix}lock:"):
+        _token, fence, acquired_ms, owner = value.split("|", 3)
         found.append(
             LiveLock(
-                name=key[len(f"{prefix}lock:") :],
+                name=name,
                 owner=owner,
                 fence=int(fence),
                 age=max(0.0, (now_ms - int(acquired_ms)) / 1000.0),
-                expires_in=pttl / 1000.0,
+                expires_in=ttl_ms / 1000.0,
             )
         )
     return sorted(found, key=lambda lock: lock.name)

@@ -127,6 +127,24 @@ def _keys(key: str) -> dict[str, str]:
     }
 
 
+def place_headers(place: tuple[str, int]) -> dict[str, Any]:
+    """The message headers carrying a job's (ordering key, number)."""
+    key, seq = place
+    return {KEY_HEADER: key, SEQ_HEADER: seq}
+
+
+def place_of(request: Any) -> tuple[str, int] | None:
+    """(ordering key, number) from a running job's headers, if it was published with one."""
+    key = getattr(request, KEY_HEADER, None)
+    seq = getattr(request, SEQ_HEADER, None)
+    if not key or seq is None:
+        return None
+    try:
+        return str(key), int(seq)
+    except (TypeError, ValueError):
+        return None
+
+
 _recording: ContextVar[list[tuple[str, int]] | None] = ContextVar(
     "explicit_ordering_numbers", default=None
 )
@@ -158,8 +176,7 @@ def give_back(key: str, seq: int, *, client: Any | None = None) -> None:
     """The publish of job ``seq`` failed: the jobs behind it must not wait for it."""
     conn = client or redis_state.client()
     skipped = _keys(key)["skipped"]
-    conn.sadd(skipped, seq)
-    conn.expire(skipped, STATE_TTL)
+    conn.pipeline(transaction=False).sadd(skipped, seq).expire(skipped, STATE_TTL).execute()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ prefix, so an operator finds everything under ``explicit:``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 PREFIX = "explicit:"
@@ -52,3 +53,18 @@ def script(conn: Any, source: str) -> Any:
         entry = (conn, conn.register_script(source))
         _scripts[(id(conn), source)] = entry
     return entry[1]
+
+
+def live_strings(client: Any, head: str) -> Iterator[tuple[str, str, int]]:
+    """(name after ``head``, value, milliseconds left) of each string key under ``head``
+    that still has a TTL: SCAN, not KEYS; keys released between SCAN and the read are
+    skipped. What ``manage.py explicit_locks`` and ``explicit_leases`` list."""
+    for raw_key in client.scan_iter(match=f"{head}*", count=500, _type="STRING"):
+        key = text(raw_key)
+        pipe = client.pipeline(transaction=False)
+        pipe.get(key)
+        pipe.pttl(key)
+        value, ttl_ms = pipe.execute()
+        if value is None or int(ttl_ms) < 0:
+            continue
+        yield key[len(head) :], text(value), int(ttl_ms)

@@ -172,13 +172,11 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 order_key = idempotency.render_key(
                     self.name, ordering.key, given, label="ordering key"
                 )
-                running_place = _ordering_place(self.request)
+                running_place = ordering_mod.place_of(self.request)
                 if running_place is not None and task_id and task_id == self.request.id:
                     # The handler's own self.retry(): the same job keeps its place.
                     order_key = None
-                    headers[ordering_mod.KEY_HEADER], headers[ordering_mod.SEQ_HEADER] = (
-                        running_place
-                    )
+                    headers.update(ordering_mod.place_headers(running_place))
             dedup = self.contract.dedup
             if dedup is not None and idempotency.REPLAY_HEADER not in headers:
                 task_id = task_id or str(uuid.uuid4())
@@ -207,7 +205,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             if order_key is not None:
                 seq = ordering_mod.take_number(order_key)
                 taken_place = (order_key, seq)
-                headers[ordering_mod.KEY_HEADER], headers[ordering_mod.SEQ_HEADER] = taken_place
+                headers.update(ordering_mod.place_headers(taken_place))
             return super().apply_async(
                 args,
                 kwargs,
@@ -240,10 +238,10 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         if replay is not None:
             # An operator's replay stays one: its dedup id is not a duplicate.
             headers.setdefault(idempotency.REPLAY_HEADER, replay)
-        place = _ordering_place(request)
+        place = ordering_mod.place_of(request)
         if place is not None:
             # Its place in its entity's order does not change when it runs again.
-            headers[ordering_mod.KEY_HEADER], headers[ordering_mod.SEQ_HEADER] = place
+            headers.update(ordering_mod.place_headers(place))
 
     def _retry(self, exc: Exception, countdown: float) -> Retry:
         """``self.retry`` that cannot lose the message.
@@ -354,7 +352,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
 
         ordering = self.contract.ordering
         assert ordering is not None
-        place = _ordering_place(request)
+        place = ordering_mod.place_of(request)
         if place is None:
             # Published without a number (before ordering_key was declared, or by
             # send_task): it has no place to wait for.
@@ -396,7 +394,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         """This job ended for good: the next job of its entity may run."""
         import redis
 
-        place = _ordering_place(request)
+        place = ordering_mod.place_of(request)
         if place is None:
             return
         try:
@@ -1038,18 +1036,6 @@ def _correlation(request: Any) -> str:
         or request.id
         or ""
     )
-
-
-def _ordering_place(request: Any) -> tuple[str, int] | None:
-    """(ordering key, number) from the message headers, if it was published with one."""
-    key = getattr(request, ordering_mod.KEY_HEADER, None)
-    seq = getattr(request, ordering_mod.SEQ_HEADER, None)
-    if not key or seq is None:
-        return None
-    try:
-        return str(key), int(seq)
-    except (TypeError, ValueError):
-        return None
 
 
 def _delivery(request: Any, name: str) -> Any:
