@@ -419,7 +419,12 @@ def _task_name(cls: type) -> str:
 
 
 def _is_celery_class(klass: type) -> bool:
-    return klass.__module__.startswith("celery.") or klass is object
+    """Celery's classes and ExplicitTask itself, which sets ``max_retries`` on purpose."""
+    return (
+        klass.__module__.startswith("celery.")
+        or klass is object
+        or (klass.__module__ == "celery_explicit.task" and klass.__name__ == "ExplicitTask")
+    )
 
 
 def _exception_classes(

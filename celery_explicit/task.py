@@ -89,6 +89,10 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
     acks_late = True
     reject_on_worker_lost = True
     serializer = "json"
+    # Attempts are counted by max_attempts. Celery's own limit (3 by default) would end
+    # the 4th retry by re-raising the error: a failed task, not retried, not dead-lettered,
+    # with a retry_scheduled row claiming otherwise. Subclasses may not set it.
+    max_retries = None
     # Runs in the worker's main process; records what never reaches run().
     Request = "celery_explicit.task:ExplicitRequest"
 
@@ -254,7 +258,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         if not self._hand_back_execution_lease():
             raise self._end_without_republishing("retry")
         try:
-            retry: Retry = self.retry(exc=exc, countdown=countdown, max_retries=None, **options)
+            retry: Retry = self.retry(exc=exc, countdown=countdown, **options)
         except Reject as reject:
             if getattr(reject, "requeue", False):
                 raise
@@ -742,7 +746,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 delay = policy.delay(execution.attempt, exc, rng=_rng)
                 metrics.retries_scheduled.labels(self.name, type(exc).__name__).inc()
                 self._audit(execution, "RETRY_SCHEDULED", exc=exc, retry_delay=delay)
-                # max_retries=None: we count attempts ourselves (max_attempts).
+                # Celery's max_retries is off (None): max_attempts is the limit.
                 raise self._retry(exc, delay)
             outcome, reason = "EXHAUSTED", "EXHAUSTED"
         elif kind is Classification.UNCLASSIFIED:

@@ -150,6 +150,19 @@ def test_retry_then_success_applies_once(start_worker, queue):
     assert Counter.objects.get(name="r").value == 1
 
 
+def test_more_retries_than_celerys_default_limit_of_three_still_run(start_worker, queue):
+    # Celery's own max_retries (3) must not end the job early: max_attempts=5 allows four
+    # retries. With Celery's limit the fourth retry re-raised the error instead: the job
+    # failed silently after an attempt row that said a retry was scheduled.
+    Counter.objects.create(name="r4")
+    start_worker()
+    RetryThenSucceed().apply_async(args=["r4", 4], queue=queue)
+    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists(), timeout=30,
+             what="applied after four retries")
+    assert outcomes() == [Outcome.APPLIED] + [Outcome.RETRY_SCHEDULED] * 4
+    assert Counter.objects.get(name="r4").value == 1
+
+
 def test_permanent_error_dead_letters_after_exactly_one_attempt(start_worker, queue):
     start_worker()
     Declined().apply_async(args=[42], queue=queue)
