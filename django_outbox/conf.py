@@ -44,17 +44,6 @@ class Settings:
         return bool(getattr(django_settings, "EXPLICIT_LEDGER_ROUND_TRIPS", True))
 
     @property
-    def ledger_prepared(self) -> bool:
-        """``EXPLICIT_LEDGER_PREPARED`` (default True): with the round trips above,
-        run the ledger's statements (claim, attempt row, fence check) as server-side
-        prepared statements, so PostgreSQL plans each once per connection instead of on
-        every effect. Turn off behind a proxy that hands each transaction a different
-        server connection (PgBouncer in transaction mode): the statements would be
-        missing there.
-        """
-        return bool(getattr(django_settings, "EXPLICIT_LEDGER_PREPARED", True))
-
-    @property
     def redis_url(self) -> str:
         """``EXPLICIT_REDIS_URL``: the Redis holding locks (default: the Celery broker
         when it is Redis, else redis://127.0.0.1:6379/0)."""

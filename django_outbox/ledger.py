@@ -18,13 +18,10 @@ Usage, inside a task (``ExplicitTask.effect()`` fills in the key)::
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import re
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import DatabaseError, connections, transaction
@@ -36,15 +33,6 @@ from django_outbox.conf import settings
 from django_outbox.models import Fence, ProcessedOperation
 
 Statement = tuple[str, Sequence[Any]]
-
-logger = logging.getLogger(__name__)
-
-try:
-    from psycopg.pq import TransactionStatus
-
-    _IDLE: Any = TransactionStatus.IDLE
-except ImportError:  # psycopg2: _round_trips never gets that far
-    _IDLE = None
 
 
 @dataclass
@@ -205,25 +193,18 @@ class _RoundTrips:
     not see them. ``EXPLICIT_LEDGER_ROUND_TRIPS = False`` turns this off. It is not
     used with a configured isolation level (plain BEGIN would drop it), and libpq's
     blocking call would stall a gevent/eventlet hub: turn it off with green pools.
-
-    Each statement is also a server-side prepared statement (``EXPLICIT_LEDGER_PREPARED``):
-    its ``PREPARE`` travels in front of its first use on a connection, and from then on
-    only ``EXECUTE name(values)`` does. Planning the claim (a CTE around an INSERT) took
-    about 100 us of a 400 us effect on the development machine.
     """
 
-    def __init__(self, connection: Any, raw: Any, session: _Session) -> None:
+    def __init__(self, connection: Any, raw: Any) -> None:
+        import psycopg
+
         self._connection = connection
         self._raw = raw
-        self._quote = session.quote
-        self._prepared = session if settings.ledger_prepared else None
-        if self._prepared is not None and self._prepared.stale:
-            # No transaction is open yet (_round_trips checked): one round trip on its own.
-            self._prepared.resync(raw.pgconn)
+        self._quote = psycopg.ClientCursor(raw).mogrify
 
     def begin_and_fetch(self, sql: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
         """The first row, decoded as text (``t``/``f`` for booleans), or None."""
-        result = self._run([(sql, params)], begin=True)
+        result = self._run("BEGIN; " + self._quote(sql, params))
         if not result.ntuples:
             return None
         encoding = self._raw.info.encoding
@@ -232,130 +213,42 @@ class _RoundTrips:
         return (decoded[0] == "t", *decoded[1:])
 
     def execute_and_commit(self, statements: list[Statement]) -> None:
-        result = self._run(statements, commit=True)
+        parts = [self._quote(sql, params) for sql, params in statements]
+        result = self._run("; ".join([*parts, "COMMIT"]))
         # COMMIT of an aborted transaction "succeeds" with the tag ROLLBACK.
         if result.command_status != b"COMMIT":
             raise DatabaseError(
                 f"the effect's transaction did not commit ({result.command_status!r})"
             )
 
-    def _run(
-        self, statements: Sequence[Statement], *, begin: bool = False, commit: bool = False
-    ) -> Any:
+    def _run(self, query: str) -> Any:
         from psycopg import errors, pq
 
-        prepares: list[str] = []
-        runs: list[str] = []
-        names: list[str] = []
-        for sql, params in statements:
-            prepare, run, name = self._statement(sql, params)
-            if prepare is not None:
-                prepares.append(prepare)
-                names.append(name)
-            runs.append(run)
-        # The PREPAREs go first: they are not undone by a rollback, and an error in
-        # a later statement leaves them made.
-        parts = [*prepares, *(["BEGIN"] if begin else []), *runs, *(["COMMIT"] if commit else [])]
-        # libpq stops at the first failing statement of the string: a failed write never
-        # reaches the COMMIT after it, and the transaction is left aborted for Django's
-        # rollback.
-        result = self._raw.pgconn.exec_("; ".join(parts).encode())
-        if result.status in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
-            if self._prepared is not None:
-                self._prepared.names.update(names)
-            return result
-        prepared = self._prepared
-        if prepared is not None:
-            # Which PREPAREs ran is unknown when one of them failed: ask the server
-            # before the next effect on this connection.
-            prepared.stale = bool(names) or prepared.stale
-            sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE)
-            if sqlstate == b"26000" and not prepared.off:
-                # Our statements are gone: DISCARD ALL, or a proxy that hands each
-                # transaction another server connection. Stop preparing on this one.
-                prepared.off = True
-                logger.warning(
-                    "the ledger's prepared statements disappeared from this database "
-                    "connection; running them unprepared from now on (behind PgBouncer "
-                    "in transaction mode, set EXPLICIT_LEDGER_PREPARED = False)"
-                )
-                if begin:
-                    # Nothing of the effect ran yet: roll back the BEGIN, go again.
-                    self._raw.pgconn.exec_(b"ROLLBACK")
-                    return self._run(statements, begin=begin, commit=commit)
         with self._connection.wrap_database_errors:
-            raise errors.error_from_result(result, encoding=self._raw.info.encoding)
-
-    def _statement(self, sql: str, params: Sequence[Any]) -> tuple[str | None, str, str]:
-        """(PREPARE or None, the statement to run, the prepared name or "")."""
-        prepared = self._prepared
-        if prepared is None or prepared.off or "%%" in sql:
-            return None, self._quote(sql, params), ""
-        name = "explicit_" + hashlib.sha1(sql.encode()).hexdigest()[:20]
-        values = self._quote(", ".join(["%s"] * len(params)), params) if params else ""
-        run = f"EXECUTE {name}({values})" if params else f"EXECUTE {name}"
-        if name in prepared.names:
-            return None, run, name
-        if len(prepared.names) >= _MAX_PREPARED:
-            return None, self._quote(sql, params), ""
-        pieces = sql.split("%s")
-        numbered = pieces[0] + "".join(f"${i}{p}" for i, p in enumerate(pieces[1:], 1))
-        return f"PREPARE {name} AS {numbered}", run, name
-
-
-#: Distinct ledger statements prepared on one connection at most (there are a handful).
-_MAX_PREPARED = 32
-
-
-@dataclass
-class _Session:
-    """What the fast path keeps per database connection (one server session)."""
-
-    #: psycopg's client-side quoting, bound to this connection's adapters.
-    quote: Callable[..., str]
-    #: The ledger's statements prepared on this session.
-    names: set[str] = field(default_factory=set)
-    #: A string with PREPAREs failed part-way: read the names back from the server.
-    stale: bool = False
-    #: The server lost them once (a proxy, DISCARD ALL): never prepare here again.
-    off: bool = False
-
-    def resync(self, pgconn: Any) -> None:
-        # Outside any transaction (the effect has not begun): its own implicit one.
-        result = pgconn.exec_(
-            b"SELECT name FROM pg_prepared_statements WHERE starts_with(name, 'explicit_')"
-        )
-        self.names = {bytes(result.get_value(i, 0)).decode() for i in range(result.ntuples)}
-        self.stale = False
-
-
-# Keyed by psycopg's connection object: a reconnect (a new object, a new server
-# session) starts afresh. Kept so an effect does not rebuild it (bench P2).
-_sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
+            # libpq stops at the first failing statement of the string: a failed write
+            # never reaches the COMMIT after it, and the transaction is left aborted for
+            # Django's rollback.
+            result = self._raw.pgconn.exec_(query.encode())
+            if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+                raise errors.error_from_result(result, encoding=self._raw.info.encoding)
+        return result
 
 
 def _round_trips(connection: Any) -> _RoundTrips | None:
     """The fast path, when this transaction is ours and has not started on the server."""
     if not settings.ledger_round_trips or connection.vendor != "postgresql":
         return None
-    raw = connection.connection
     try:
-        session = _sessions.get(raw)
-    except TypeError:  # not weakly referenceable: no connection, or another driver
+        import psycopg
+        from psycopg import pq
+    except ImportError:  # psycopg2: the plain path
         return None
-    if session is None:
-        try:
-            import psycopg
-        except ImportError:  # psycopg2: the plain path
-            return None
-        if not isinstance(raw, psycopg.Connection):
-            return None
-        session = _sessions[raw] = _Session(quote=psycopg.ClientCursor(raw).mogrify)
-    if raw.autocommit:
+    raw = connection.connection
+    if not isinstance(raw, psycopg.Connection) or raw.autocommit:
         return None
     if raw.isolation_level is not None or raw.read_only is not None or raw.deferrable:
         # psycopg would begin with these options; a bare BEGIN would silently drop them.
         return None
-    if raw.pgconn.transaction_status != _IDLE:
+    if raw.pgconn.transaction_status != pq.TransactionStatus.IDLE:
         return None
-    return _RoundTrips(connection, raw, session)
+    return _RoundTrips(connection, raw)

@@ -18,16 +18,12 @@ from tests.testapp.models import Counter
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-@pytest.fixture(autouse=True, params=[(True, True), (True, False), (False, False)],
-                ids=["prepared", "round-trips", "plain-cursor"])
+@pytest.fixture(autouse=True, params=[True, False], ids=["round-trips", "plain-cursor"])
 def round_trips(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    """Every ledger test runs on all paths: BEGIN+claim / writes+COMMIT sent together
-    through libpq as prepared statements, the same unprepared, and every statement
-    through Django's cursor."""
-    together, prepared = request.param
-    with override_settings(EXPLICIT_LEDGER_ROUND_TRIPS=together,
-                           EXPLICIT_LEDGER_PREPARED=prepared):
-        yield together
+    """Every ledger test runs on both paths: BEGIN+claim / writes+COMMIT sent together
+    through libpq, and every statement through Django's cursor."""
+    with override_settings(EXPLICIT_LEDGER_ROUND_TRIPS=request.param):
+        yield request.param
 
 
 def claim(key: str, fingerprint: str = "f1"):  # type: ignore[no-untyped-def]
