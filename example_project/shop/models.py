@@ -59,3 +59,17 @@ class Order(models.Model):
 
     def __str__(self) -> str:
         return f"order {self.pk} ({self.status})"
+
+
+class SalesReport(models.Model):
+    """One day's sales, rebuilt from the payments; two rebuilds must never run at once."""
+
+    day = models.DateField(unique=True)
+    total_cents = models.BigIntegerField(default=0)
+    rebuilds = models.PositiveIntegerField(default=0)
+    #: The lease lock's fencing token of the last rebuild written (fenced_update keeps
+    #: it): a rebuild that lost its lock while paused cannot overwrite a newer one.
+    fencing_token = models.BigIntegerField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"sales report {self.day}"

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import time
+from datetime import date
+
+import redis
+from django.conf import settings
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Sum
 from shop_project.celery import app
 
-from celery_explicit import Downstream, ExplicitTask, effect
+from celery_explicit import Downstream, ExplicitTask, LeaseLock, LockNotAcquired, effect
 from django_outbox.cache import VersionedCache
-from django_outbox.fencing import versioned_update
+from django_outbox.fencing import fenced_update, versioned_update
 from shop.models import (
     Invoice,
     InvoiceStatus,
     Order,
     Payment,
     PaymentStatus,
+    SalesReport,
     StockLevel,
     WarehouseOutage,
 )
@@ -127,8 +133,6 @@ class ShipOrder(ExplicitTask):
     fail_on = ()
 
     def run(self, order_id: int, warehouse_seconds: float = 0.0) -> None:
-        import time
-
         time.sleep(warehouse_seconds)  # the warehouse takes its time
         with self.effect() as shipped:
             if shipped.done:
@@ -177,7 +181,54 @@ class RecordPaymentWebhook(ExplicitTask):
             recorded.result_ref = event_id
 
 
+class RebuildSalesReport(ExplicitTask):
+    """A day's sales report, rebuilt on a schedule and by hand: one rebuild at a time.
+
+    The lease lock (not the ledger) keeps two rebuilds of one day apart: each rebuild
+    is a new effect (its own ``run_id``), but two at once would race on the report. A
+    rebuild that finds the lock held is retried with backoff; the fencing token goes
+    with the write, so a holder that paused past its lock's TTL cannot overwrite the
+    newer report.
+    """
+
+    name = "shop.rebuild_sales_report"
+    idempotency_key = "report:{day}:rebuild:{run_id}"
+    visibility_timeout = 30
+    expected_duration = 2
+    retry_on = (LockNotAcquired,)
+    fail_on = ()
+    max_attempts = 10
+    backoff_base = 0.5
+    backoff_cap = 2.0
+
+    def run(self, day: str, run_id: str, aggregate_seconds: float = 0.0) -> int:
+        lock = LeaseLock(_redis(), f"report:{day}", ttl=10.0)
+        with lock.hold(wait=0) as fence:  # held elsewhere: LockNotAcquired, retried
+            total = Payment.objects.filter(status=PaymentStatus.CAPTURED).aggregate(
+                total=Sum("amount_cents"))["total"] or 0
+            time.sleep(aggregate_seconds)  # a slow aggregation, inside the lock's TTL
+            with self.effect() as rebuilt:
+                if rebuilt.done:
+                    return int(rebuilt.result_ref.split()[-1])
+                fenced_update(SalesReport.objects.filter(day=date.fromisoformat(day)),
+                              token=fence, total_cents=total, rebuilds=F("rebuilds") + 1)
+                rebuilt.result_ref = f"fencing token {fence}"
+        return fence
+
+
+def _redis() -> redis.Redis:
+    # The worker's broker is the shop's Redis; one client per process.
+    global _client
+    if _client is None:
+        _client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    return _client
+
+
+_client: redis.Redis | None = None
+
+
 app.register_task(CapturePayment())
+app.register_task(RebuildSalesReport())
 app.register_task(RecordPaymentWebhook())
 app.register_task(SyncStock())
 app.register_task(ShipOrder())

