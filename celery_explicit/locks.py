@@ -3,7 +3,8 @@
 A lock that never expires stays held by a dead process forever; a lock released with
 GET-then-DEL can delete the lock a second owner took in between. Here a lock always has
 a TTL, only its owner (the random token it got at acquisition) can release or extend
-it, each of those is one Lua script, and every acquisition gets a fencing token: a
+it, each of those is one atomic Lua step (a Redis function, or a script where functions are
+unavailable), and every acquisition gets a fencing token: a
 number that only grows, so a write can refuse a holder that lost its lock while paused
 (``django_outbox.fencing.fenced_update``).
 
@@ -31,6 +32,7 @@ from typing import Any
 
 from celery_explicit import metrics
 from celery_explicit.errors import LockConfigError, LockNotAcquired, LockNotOwned
+from celery_explicit.redis_functions import Library
 from celery_explicit.redis_state import PREFIX, live_strings
 
 logger = logging.getLogger("celery_explicit.locks")
@@ -79,6 +81,12 @@ end
 return 0
 """
 
+# Loaded once per Redis and called with FCALL (celery_explicit.redis_functions): on
+# Redis 7 that costs about a plain command; an EVALSHA costs more (bench P4).
+_LIBRARY = Library(
+    "celery_explicit_locks", {"acquire": ACQUIRE, "release": RELEASE, "extend": EXTEND}
+)
+
 
 @dataclass(frozen=True)
 class LiveLock:
@@ -109,9 +117,6 @@ class LeaseLock:
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self.token: str | None = None
         self.fence: int | None = None
-        self._acquire = client.register_script(ACQUIRE)
-        self._release = client.register_script(RELEASE)
-        self._extend = client.register_script(EXTEND)
         # Resolved once: on the hot path a lock is a few round trips, and label
         # look-ups and duration conversions would show next to them (bench P4).
         self._ttl_ms = _ms(self.ttl)
@@ -128,9 +133,11 @@ class LeaseLock:
         deadline = start + max(0.0, wait)
         pause = 0.01
         while True:
-            fence = self._acquire(
-                keys=[self.key, self.fence_key],
-                args=[token, self._ttl_ms, int(time.time() * 1000), self.owner],
+            fence = _LIBRARY.call(
+                self.client,
+                "acquire",
+                [self.key, self.fence_key],
+                [token, self._ttl_ms, int(time.time() * 1000), self.owner],
             )
             if fence:
                 self.token, self.fence = token, int(fence)
@@ -147,7 +154,7 @@ class LeaseLock:
         """Release, only if this token still owns the lock; else ``LockNotOwned``."""
         token = self._owned_token("release")
         self.token = None
-        if not self._release(keys=[self.key], args=[token]):
+        if not _LIBRARY.call(self.client, "release", [self.key], [token]):
             self._lost("release", token)
 
     def extend(self, ttl: float | None = None) -> None:
@@ -162,7 +169,7 @@ class LeaseLock:
             )
         else:
             ttl_ms = _ms(ttl)
-        if not self._extend(keys=[self.key], args=[token, ttl_ms]):
+        if not _LIBRARY.call(self.client, "extend", [self.key], [token, ttl_ms]):
             self.token = None
             self._lost("extend", token)
 
