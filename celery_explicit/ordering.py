@@ -31,7 +31,7 @@ State in Redis (``EXPLICIT_REDIS_URL``), per key, expiring a week after last use
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -135,8 +135,18 @@ def place_headers(place: tuple[str, int]) -> dict[str, Any]:
 
 def place_of(request: Any) -> tuple[str, int] | None:
     """(ordering key, number) from a running job's headers, if it was published with one."""
-    key = getattr(request, KEY_HEADER, None)
-    seq = getattr(request, SEQ_HEADER, None)
+    return place_in(
+        {
+            KEY_HEADER: getattr(request, KEY_HEADER, None),
+            SEQ_HEADER: getattr(request, SEQ_HEADER, None),
+        }
+    )
+
+
+def place_in(headers: Mapping[str, Any]) -> tuple[str, int] | None:
+    """(ordering key, number) from a message's headers (the worker's main process)."""
+    key = headers.get(KEY_HEADER)
+    seq = headers.get(SEQ_HEADER)
     if not key or seq is None:
         return None
     try:

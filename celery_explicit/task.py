@@ -1020,7 +1020,27 @@ class ExplicitRequest(Request):
                 args=self.args,
                 kwargs=self.kwargs,
             )
+            self._pass_turn_of_killed_job()
         super().on_timeout(soft, timeout)
+
+    def _pass_turn_of_killed_job(self) -> None:
+        """The killed job ended for good (dead-lettered, acknowledged): the next job of
+        its entity may run now, not after the ordering gap. The handler's own ``finally``
+        never ran, so the main process passes the turn."""
+        import redis
+
+        place = ordering_mod.place_in(self.request_dict)
+        if place is None:
+            return
+        try:
+            ordering_mod.done(*place)
+        except redis.RedisError:
+            logger.warning(
+                "ordering %s: could not pass the turn of a killed job (the next job waits "
+                "out the gap)",
+                place[0],
+                extra={"task": self.task_name, "job_id": self.id},
+            )
 
     def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
         try:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, Outcome
-from tests.testapp.tasks import Overrun, UnlimitedOverrun
+from tests.testapp.tasks import OrderedOverrun, Overrun, UnlimitedOverrun
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
@@ -36,3 +38,21 @@ def test_negative_control_without_a_limit_the_long_run_completes(start_worker, q
     assert attempt.outcome == Outcome.SUCCEEDED
     assert attempt.duration_ms >= 1900  # it ran past where a 1 s limit would stop it
     assert not DeadLetter.objects.exists()
+
+
+def test_a_job_killed_by_the_hard_limit_passes_its_entitys_turn(start_worker, queue) -> None:
+    # The killed handler never reaches its own finally; the worker's main process
+    # dead-letters the job and passes the entity's turn. Without that, the next job
+    # would wait out the ordering gap: 2 x 4 s + 60 s here, far past this test's wait.
+    entity = uuid.uuid4().hex[:8]
+    start_worker(concurrency=2)
+    killed = OrderedOverrun().apply_async(args=[entity, "first", True], queue=queue)
+    after = OrderedOverrun().apply_async(args=[entity, "second"], queue=queue)
+    letter = wait_for(lambda: DeadLetter.objects.filter(task_id=killed.id).first(),
+                      timeout=30, what="the killed job's dead letter")
+    assert "killed by the hard time limit" in letter.error_message
+    ran = wait_for(lambda: Attempt.objects.filter(task_id=after.id).first(), timeout=20,
+                   what="the next job of the entity to run")
+    assert ran.outcome == Outcome.SUCCEEDED
+    # In order: the second job ran only once the first had been killed and recorded.
+    assert ran.started_at >= letter.last_attempt

@@ -475,3 +475,34 @@ app.register_task(ShipToAddress())
 app.register_task(HoldsTheLine())
 app.register_task(ApplyOrderEvent())
 app.register_task(ApplyOrderEventUnordered())
+
+
+class OrderedOverrun(ExplicitTask):
+    """An entity's jobs in order, with a 1 s maximum run time (hard limit at 2 s)."""
+
+    name = "tests.ordered_overrun"
+    idempotency_key = "ordered-overrun:{entity}:{job}"
+    ordering_key = "overrun:{entity}"
+    visibility_timeout = 4
+    expected_duration = 0.5
+    max_run_time = 1
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, entity: str, job: str, stubborn: bool = False) -> None:
+        import signal
+
+        from celery.exceptions import SoftTimeLimitExceeded
+
+        if not stubborn:
+            return
+        # Like a handler stuck in C code: it unwinds for neither the soft limit nor the
+        # pool's SIGTERM, so only the SIGKILL after it ends the process (no finally).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            time.sleep(5)
+        except SoftTimeLimitExceeded:
+            time.sleep(5)
+
+
+app.register_task(OrderedOverrun())
