@@ -396,19 +396,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
 
     def _pass_turn(self, request: Any) -> None:
         """This job ended for good: the next job of its entity may run."""
-        import redis
-
-        place = ordering_mod.place_of(request)
-        if place is None:
-            return
-        try:
-            ordering_mod.done(*place)
-        except redis.RedisError:
-            logger.warning(
-                "ordering %s: could not pass the turn on (the next job waits out the gap)",
-                place[0],
-                extra={"task": self.name, "job_id": request.id},
-            )
+        _pass_turn_on(ordering_mod.place_of(request), task=self.name, job_id=request.id)
 
     def _run_leased(
         self, execution: Execution, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -1027,20 +1015,8 @@ class ExplicitRequest(Request):
         """The killed job ended for good (dead-lettered, acknowledged): the next job of
         its entity may run now, not after the ordering gap. The handler's own ``finally``
         never ran, so the main process passes the turn."""
-        import redis
-
         place = ordering_mod.place_in(self.request_dict)
-        if place is None:
-            return
-        try:
-            ordering_mod.done(*place)
-        except redis.RedisError:
-            logger.warning(
-                "ordering %s: could not pass the turn of a killed job (the next job waits "
-                "out the gap)",
-                place[0],
-                extra={"task": self.task_name, "job_id": self.id},
-            )
+        _pass_turn_on(place, task=self.task_name, job_id=self.id)
 
     def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
         try:
@@ -1050,6 +1026,22 @@ class ExplicitRequest(Request):
             raise InvalidTaskError(
                 f"body of task {headers.get('task')!r} is not [args, kwargs, embed]: {exc}"
             ) from exc
+
+
+def _pass_turn_on(place: tuple[str, int] | None, *, task: str, job_id: str | None) -> None:
+    """Job number ``place`` of its entity ended for good: the next one's turn."""
+    import redis
+
+    if place is None:
+        return
+    try:
+        ordering_mod.done(*place)
+    except redis.RedisError:
+        logger.warning(
+            "ordering %s: could not pass the turn on (the next job waits out the gap)",
+            place[0],
+            extra={"task": task, "job_id": job_id},
+        )
 
 
 def _correlation(request: Any) -> str:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -14,15 +12,6 @@ from django.core.management import call_command
 from celery_explicit import metrics
 from celery_explicit.errors import LockConfigError, LockNotAcquired, LockNotOwned
 from celery_explicit.locks import LeaseLock, live_locks
-
-
-@pytest.fixture
-def prefix(redis_client: redis.Redis) -> Iterator[str]:
-    p = f"explicit-test:{uuid.uuid4().hex[:8]}:"
-    yield p
-    keys = list(redis_client.scan_iter(match=f"{p}*"))
-    if keys:
-        redis_client.delete(*keys)
 
 
 def lock(client: redis.Redis, prefix: str, name: str = "rebuild:user:123",

@@ -20,15 +20,6 @@ def calls(client: redis.Redis, command: str) -> int:
     return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
-@pytest.fixture
-def prefix(redis_client: redis.Redis) -> Iterator[str]:
-    p = f"explicit-test:{uuid.uuid4().hex[:8]}:"
-    yield p
-    keys = list(redis_client.scan_iter(match=f"{p}*"))
-    if keys:
-        redis_client.delete(*keys)
-
-
 def cycle(client: redis.Redis, prefix: str) -> tuple[int, int]:
     """acquire, extend, release; the two fencing tokens of two such cycles."""
     lock = LeaseLock(client, "report:day", ttl=5.0, prefix=prefix)
