@@ -51,7 +51,6 @@ REFUSED_CELERY_OPTIONS: Mapping[str, str] = {
     "retry_backoff_max": "declare backoff_cap instead",
     "retry_jitter": "ExplicitTask always uses full jitter",
     "retry_kwargs": "declare max_attempts / backoff_base / backoff_cap instead",
-    "max_retries": "declare max_attempts instead (it counts the first attempt)",
     "default_retry_delay": "declare backoff_base instead",
 }
 
@@ -60,6 +59,9 @@ FIXED_CELERY_OPTIONS: Mapping[str, tuple[object, str]] = {
     "acks_late": (True, "the message is acknowledged only after the handler finished"),
     "reject_on_worker_lost": (True, "a job whose worker died must be delivered again"),
     "serializer": ("json", "a pickled message from the broker is code execution"),
+    # Celery's own retry limit would end a job on its 4th retry by re-raising the error
+    # (not retried, not dead-lettered): ExplicitTask turns it off.
+    "max_retries": (None, "attempts are counted by max_attempts: declare that instead"),
 }
 
 # Keys Celery itself puts in the class dict of a decorator-declared task.
@@ -419,12 +421,7 @@ def _task_name(cls: type) -> str:
 
 
 def _is_celery_class(klass: type) -> bool:
-    """Celery's classes and ExplicitTask itself, which sets ``max_retries`` on purpose."""
-    return (
-        klass.__module__.startswith("celery.")
-        or klass is object
-        or (klass.__module__ == "celery_explicit.task" and klass.__name__ == "ExplicitTask")
-    )
+    return klass.__module__.startswith("celery.") or klass is object
 
 
 def _exception_classes(

@@ -26,6 +26,8 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError, ResponseError
 
+from celery_explicit import redis_state
+
 logger = logging.getLogger("celery_explicit.redis_functions")
 
 #: Replies that say the server has no functions (Redis 6): keep to scripts. A user
@@ -50,21 +52,19 @@ class Library:
             for fn, body in self.functions.items()
         )
         self.code = f"#!lua name={self.name}\n{registrations}\n"
-        # Per client, weakly (a caller's client must not be kept alive by us): None once
-        # the library is loaded there, else the scripts that stand in for it.
-        self._clients: weakref.WeakKeyDictionary[Any, dict[str, Any] | None] = (
-            weakref.WeakKeyDictionary()
-        )
+        # Per client, weakly (a caller's client must not be kept alive by us): True once
+        # the library is loaded there, False where scripts stand in for it.
+        self._clients: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def call(self, conn: Any, function: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """Run ``function`` atomically on the server; its reply."""
         try:
-            scripts = self._clients[conn]
+            loaded = self._clients[conn]
         except KeyError:
-            scripts = self._load(conn)
-        if scripts is not None:
-            return scripts[function](keys=keys, args=args)
+            loaded = self._load(conn)
+        if not loaded:
+            return redis_state.script(conn, self.functions[function])(keys=keys, args=args)
         name = self.function_names[function]
         try:
             return conn.execute_command("FCALL", name, len(keys), *keys, *args)
@@ -74,9 +74,9 @@ class Library:
         self._load(conn)
         return conn.execute_command("FCALL", name, len(keys), *keys, *args)
 
-    def _load(self, conn: Any) -> dict[str, Any] | None:
-        """Load the library through ``conn``; the stand-in scripts when it cannot."""
-        scripts: dict[str, Any] | None = None
+    def _load(self, conn: Any) -> bool:
+        """Load the library through ``conn``; False when scripts must stand in for it."""
+        loaded = True
         try:
             conn.execute_command("FUNCTION", "LOAD", "REPLACE", self.code)
         except ResponseError as exc:
@@ -88,7 +88,7 @@ class Library:
             logger.info(
                 "Redis functions unavailable (%s): library %s runs as scripts", exc, self.name
             )
-            scripts = {fn: conn.register_script(body) for fn, body in self.functions.items()}
+            loaded = False
         with self._lock:
-            self._clients[conn] = scripts
-        return scripts
+            self._clients[conn] = loaded
+        return loaded

@@ -9,6 +9,7 @@ prefix, so an operator finds everything under ``explicit:``.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,21 +39,23 @@ def text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-_scripts: dict[tuple[int, str], tuple[Any, Any]] = {}
+# Per client, weakly: a caller's client (a lock's, a test's) is not kept alive by us.
+_scripts: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def script(conn: Any, source: str) -> Any:
     """``conn.register_script(source)``, made once per client and script.
 
     Registering hashes the source (SHA1) and builds an object; on the job path that
-    happens for every task, so it is kept. The client is kept with it, so its id is
-    never reused by another client while the entry exists.
+    happens for every task, so it is kept.
     """
-    entry = _scripts.get((id(conn), source))
-    if entry is None:
-        entry = (conn, conn.register_script(source))
-        _scripts[(id(conn), source)] = entry
-    return entry[1]
+    try:
+        return _scripts[conn][source]
+    except KeyError:
+        registered = conn.register_script(source)
+        with _clients_lock:
+            _scripts.setdefault(conn, {})[source] = registered
+        return registered
 
 
 def live_strings(client: Any, head: str) -> Iterator[tuple[str, str, int]]:

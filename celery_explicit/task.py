@@ -89,9 +89,9 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
     acks_late = True
     reject_on_worker_lost = True
     serializer = "json"
-    # Attempts are counted by max_attempts. Celery's own limit (3 by default) would end
-    # the 4th retry by re-raising the error: a failed task, not retried, not dead-lettered,
-    # with a retry_scheduled row claiming otherwise. Subclasses may not set it.
+    # Celery's own retry limit (3 by default) would end the 4th retry by re-raising the
+    # error: a failed task, not retried, not dead-lettered, with a retry_scheduled row
+    # claiming otherwise. max_attempts is the limit.
     max_retries = None
     # Runs in the worker's main process; records what never reaches run().
     Request = "celery_explicit.task:ExplicitRequest"
