@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.core.management import CommandError, call_command
 
 from celery_explicit import BadInput
 from django_outbox.management.commands.outbox_prune import parse_duration
@@ -87,3 +88,19 @@ def test_resolving_celery_settings_keeps_every_value() -> None:
     # Values the project set (tests/settings.py) survive, not only Celery's defaults.
     assert app.conf.task_serializer == "json"
     assert app.conf.broker_transport_options["unacked_restore_interval"] == 1
+
+
+@pytest.mark.parametrize(("command", "option", "value", "message"), [
+    ("outbox_relay", "--poll-interval", "0", "above 0, got 0"),
+    ("outbox_relay", "--poll-interval", "-1", "above 0, got -1"),
+    ("outbox_relay", "--poll-interval", "nan", "above 0, got nan"),
+    ("outbox_relay", "--poll-interval", "soon", "a number of seconds, got 'soon'"),
+    ("outbox_relay", "--batch-size", "0", "at least 1, got 0"),
+    ("outbox_prune", "--batch-size", "-5", "at least 1, got -5"),
+])
+def test_bad_command_values_are_refused_by_name(command: str, option: str, value: str,
+                                                message: str) -> None:
+    # Before anything runs: a zero poll interval would spin, a negative one crash select().
+    extra = ["--older-than", "7d"] if command == "outbox_prune" else []
+    with pytest.raises(CommandError, match=rf"argument {option}: must be .*{message}"):
+        call_command(command, *extra, option, value)

@@ -18,6 +18,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from django_outbox.conf import settings
+from django_outbox.management.arguments import positive_int
 from django_outbox.models import OutboxEvent, OutboxStatus
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -74,7 +75,7 @@ class Command(BaseCommand):
             help="retention: 7d, 12h, 30m, 90s, 2w; a bare number is days",
         )
         parser.add_argument(
-            "--batch-size", type=int, default=1000, help="rows per delete (default 1000)"
+            "--batch-size", type=positive_int, default=1000, help="rows per delete (default 1000)"
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -82,7 +83,5 @@ class Command(BaseCommand):
             older_than = parse_duration(options["older_than"])
         except ValueError as exc:
             raise CommandError(str(exc)) from None
-        if options["batch_size"] < 1:
-            raise CommandError(f"--batch-size must be at least 1, got {options['batch_size']}")
         deleted = prune(older_than, batch_size=options["batch_size"])
         self.stdout.write(f"deleted {deleted} outbox events finished more than {older_than} ago")

@@ -8,6 +8,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_outbox.conf import settings
+from django_outbox.management.arguments import positive_int, positive_seconds
 from django_outbox.relay import Relay, Wakeup, resolve_celery_settings
 
 
@@ -21,14 +22,14 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--batch-size",
-            type=int,
+            type=positive_int,
             default=None,
             help="events per claim (default EXPLICIT_OUTBOX_BATCH_SIZE, "
             f"{settings.outbox_batch_size})",
         )
         parser.add_argument(
             "--poll-interval",
-            type=float,
+            type=positive_seconds,
             default=None,
             help="seconds an idle relay waits before looking again (default "
             f"EXPLICIT_OUTBOX_POLL_INTERVAL, {settings.outbox_poll_interval:g})",
@@ -40,10 +41,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        batch_size = options["batch_size"]
-        if batch_size is not None and batch_size < 1:
-            raise CommandError(f"--batch-size must be at least 1, got {batch_size}")
-        relay = Relay(batch_size=batch_size, poll_interval=options["poll_interval"])
+        relay = Relay(batch_size=options["batch_size"], poll_interval=options["poll_interval"])
         resolve_celery_settings(relay.app)
         if options["once"]:
             totals = relay.drain()
