@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery_explicit import redis_state
 from celery_explicit.redis_state import PREFIX, client, text
 
 # KEYS[1] - the dedup mark for one (task, id)
@@ -54,7 +55,9 @@ def claim(
 ) -> str:
     """Claim ``dedup_id`` for ``task_id``; return the task id that owns it."""
     conn = redis_client or client()
-    owner = conn.eval(CLAIM, 1, mark_key(task_name, dedup_id), task_id, max(1, int(window * 1000)))
+    claim_script = redis_state.script(conn, CLAIM)
+    window_ms = max(1, int(window * 1000))
+    owner = claim_script(keys=[mark_key(task_name, dedup_id)], args=[task_id, window_ms])
     return text(owner)
 
 
@@ -63,4 +66,5 @@ def release(
 ) -> bool:
     """Give back a claim whose message was never published (compare-and-delete)."""
     conn = redis_client or client()
-    return bool(conn.eval(RELEASE, 1, mark_key(task_name, dedup_id), task_id))
+    release_script = redis_state.script(conn, RELEASE)
+    return bool(release_script(keys=[mark_key(task_name, dedup_id)], args=[task_id]))

@@ -169,3 +169,11 @@ class StaleVersion(ExplicitError):
             f"Refused write to {target}: version {version} is older than the "
             f"stored {current} (a later event was already applied)"
         )
+
+
+def qualname(exc: BaseException | None) -> str:
+    """``module.Class`` of an error, as attempt rows and dead letters store it."""
+    if exc is None:
+        return ""
+    klass = type(exc)
+    return f"{klass.__module__}.{klass.__qualname__}"

@@ -106,3 +106,8 @@ def fingerprint(arguments: Mapping[str, Any]) -> str:
     """A stable hash of the call's arguments (JSON, sorted keys; defaults included)."""
     blob = json.dumps(arguments, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def correlation_of(request: Any) -> str:
+    """The request that caused this job: the header, else Celery's root task id."""
+    return str(getattr(request, CORRELATION_HEADER, None) or request.root_id or request.id or "")

@@ -45,6 +45,7 @@ from celery_explicit.errors import (
     ExplicitError,
     IdempotencyConflict,
     LeaseLost,
+    qualname,
 )
 from celery_explicit.retry_policy import Classification
 
@@ -710,7 +711,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             attempt=int(request.retries or 0) + 1,
             started_at=started or timezone.now(),
             audited=not request.called_directly,
-            correlation_id=_correlation(request),
+            correlation_id=idempotency.correlation_of(request),
         )
         if self.contract.dedup is not None:
             execution.dedup_id = idempotency.render_key(
@@ -851,7 +852,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             started_at=execution.started_at,
             finished_at=timezone.now(),
             outcome=outcome,
-            error_class=_qualname(exc) if exc else "",
+            error_class=qualname(exc),
             error_message=str(exc)[:4000] if exc else note,
             retry_delay=retry_delay,
             correlation_id=execution.correlation_id,
@@ -899,7 +900,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             layer="execution",
             outcome=outcome.value,
             retry_delay=retry_delay,
-            error_class=_qualname(exc) if exc else None,
+            error_class=qualname(exc) if exc else None,
         )
 
     def _dead_letter_and_audit(
@@ -919,7 +920,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         from django_outbox.models import DeadLetterReason
 
         attempt = execution.attempt if execution else int(request.retries or 0) + 1
-        correlation = _correlation(request)
+        correlation = idempotency.correlation_of(request)
         reason = DeadLetterReason[reason_name]
         try:
             dead_letters.record(
@@ -929,7 +930,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 args=list(args),
                 kwargs=kwargs,
                 idempotency_key=key,
-                error_class=_qualname(exc),
+                error_class=qualname(exc),
                 error_message=str(exc)[:4000],
                 traceback="".join(tb.format_exception(exc)),
                 attempts=attempt,
@@ -1044,26 +1045,9 @@ def _pass_turn_on(place: tuple[str, int] | None, *, task: str, job_id: str | Non
         )
 
 
-def _correlation(request: Any) -> str:
-    """The request that caused this job: the header, else Celery's root task id."""
-    return str(
-        getattr(request, idempotency.CORRELATION_HEADER, None)
-        or request.root_id
-        or request.id
-        or ""
-    )
-
-
 def _delivery(request: Any, name: str) -> Any:
     """A field of the broker's delivery info (routing key, redelivered flag)."""
     return (request.delivery_info or {}).get(name)
-
-
-def _qualname(exc: BaseException | None) -> str:
-    if exc is None:
-        return ""
-    klass = type(exc)
-    return f"{klass.__module__}.{klass.__qualname__}"
 
 
 def _int_or_none(value: object) -> int | None:

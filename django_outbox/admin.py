@@ -148,12 +148,7 @@ class OutboxEventAdmin(ReadOnlyAdmin):
         else:
             age = (timezone.now() - oldest).total_seconds()
             summary = f"backlog: {count} pending, oldest {_age(age)} old"
-        context = {
-            "title": f"Outbox events ({summary})",
-            "outbox_backlog": count,
-            "outbox_oldest_age": None if oldest is None else (timezone.now() - oldest),
-            **(extra_context or {}),
-        }
+        context = {"title": f"Outbox events ({summary})", **(extra_context or {})}
         response: TemplateResponse = super().changelist_view(request, context)  # type: ignore[assignment]
         return response
 

@@ -38,7 +38,7 @@ from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 from prometheus_client import Counter
 
-from celery_explicit.errors import BadInput
+from celery_explicit.errors import BadInput, qualname
 from django_outbox import outbox
 from django_outbox.conf import settings
 
@@ -124,7 +124,7 @@ def dispatch(
             # Raising here would reach the caller after its commit (a success reported
             # as a failure) and stop Django's later on_commit callbacks; the job is lost
             # either way, so it is made loud instead.
-            error_class = f"{type(exc).__module__}.{type(exc).__qualname__}"
+            error_class = qualname(exc)
             publish_failed.labels(task.name, error_class).inc()
             logger.exception(
                 "job %s of task %s (idempotency key %r) was not published after its "

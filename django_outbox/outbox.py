@@ -284,12 +284,4 @@ def _registered_task(name: str) -> Task | None:  # type: ignore[type-arg]
 
 def _correlation() -> str:
     """Inside a running task, the request that caused it (as ``ExplicitTask`` keeps it)."""
-    if not current_task:
-        return ""
-    request = current_task.request
-    return str(
-        getattr(request, idempotency.CORRELATION_HEADER, None)
-        or request.root_id
-        or request.id
-        or ""
-    )
+    return idempotency.correlation_of(current_task.request) if current_task else ""

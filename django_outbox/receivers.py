@@ -15,6 +15,7 @@ from celery import signals
 from django.db import DatabaseError
 
 from celery_explicit import metrics
+from celery_explicit.errors import qualname
 from celery_explicit.idempotency import CORRELATION_HEADER, KEY_HEADER
 from django_outbox import dead_letters
 from django_outbox.models import DeadLetterReason
@@ -106,7 +107,7 @@ def record_undecodable(
         task_id=task_id,
         task_name=task_name,
         message=message,
-        error_class=f"{type(error).__module__}.{type(error).__qualname__}",
+        error_class=qualname(error),
         error_message=f"message body for task {task_name} does not decode: {error}",
     )
 
@@ -126,7 +127,7 @@ def record_rejected(sender: Any = None, message: Any = None, exc: Any = None, **
         task_id=headers.get("id"),
         task_name=name,
         message=message,
-        error_class=(f"{type(exc).__module__}.{type(exc).__qualname__}" if exc is not None else ""),
+        error_class=qualname(exc),
         error_message=f"{reason}; task {name}",
     )
 

@@ -79,7 +79,7 @@ from kombu.exceptions import OperationalError
 from prometheus_client import Counter, Histogram
 
 from celery_explicit import idempotency, ordering
-from celery_explicit.errors import BadInput
+from celery_explicit.errors import BadInput, qualname
 from celery_explicit.metrics import dead_letters as dead_letters_total
 from celery_explicit.retry_policy import backoff_delay
 from django_outbox import dead_letters
@@ -478,7 +478,7 @@ class Relay:
             )
         except BadInput as exc:
             self._dead_letter(
-                event, DeadLetterReason.BAD_INPUT, error_class=_qualname(exc), message=str(exc)
+                event, DeadLetterReason.BAD_INPUT, error_class=qualname(exc), message=str(exc)
             )
             return OutboxStatus.DEAD_LETTER
         except QueueNotFound as exc:
@@ -524,7 +524,7 @@ class Relay:
     def _fail(self, event: Claimed, exc: Exception) -> OutboxStatus | None:
         """Back the event off, or dead-letter it past its attempts."""
         attempts = event.attempts + 1
-        error_class = _qualname(exc)
+        error_class = qualname(exc)
         message = f"{error_class}: {exc}"
         publish_failed.labels(event.task_name, error_class).inc()
         if attempts >= self.max_attempts:
@@ -639,11 +639,11 @@ class Relay:
         logger.warning(
             "outbox relay: %s (%s: %s); backing off %.2fs (outage #%d)",
             what,
-            _qualname(exc),
+            qualname(exc),
             exc,
             delay,
             outages,
-            extra={"layer": "delivery", "error_class": _qualname(exc)},
+            extra={"layer": "delivery", "error_class": qualname(exc)},
         )
         Wakeup(self._stop_read).wait(delay)
 
@@ -737,7 +737,3 @@ def _aware(value: datetime | str) -> datetime:
 def _json(value: Any) -> Any:
     # Django's psycopg setup hands jsonb over as text (JSONField decodes it itself).
     return json.loads(value) if isinstance(value, str | bytes) else value
-
-
-def _qualname(exc: BaseException) -> str:
-    return f"{type(exc).__module__}.{type(exc).__qualname__}"
