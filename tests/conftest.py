@@ -50,6 +50,15 @@ def broker(request: pytest.FixtureRequest, queue: str) -> Iterator[str]:
 
 
 @pytest.fixture
+def start_relay(transactional_db: None, queue: str, tmp_path: Path) -> Iterator[Any]:
+    """Start ``manage.py outbox_relay`` processes on this test's queue (tests/relays.py);
+    all are stopped before the tables are flushed."""
+    from tests.relays import relay_starter
+
+    yield from relay_starter(queue, tmp_path)
+
+
+@pytest.fixture
 def start_worker(transactional_db: None, queue: str, tmp_path: Path,
                  redis_client: redis.Redis) -> Iterator[Callable[..., Worker]]:
     """Start real worker processes on this test's queue; all are stopped afterwards.

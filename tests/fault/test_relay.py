@@ -10,9 +10,6 @@ import random
 import signal
 import time
 from collections import Counter as Tally
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 from django.db import transaction
@@ -21,17 +18,12 @@ from prometheus_client import REGISTRY
 
 from django_outbox.dispatch import dispatch
 from django_outbox.models import Attempt, OutboxEvent, OutboxStatus, Outcome
-from tests.relays import PrivateRedis, queued, relay_starter
+from tests.relays import PrivateRedis, queued
 from tests.testapp.models import Counter
 from tests.testapp.tasks import Increment
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
-
-
-@pytest.fixture
-def start_relay(transactional_db: None, queue: str, tmp_path: Path) -> Iterator[Any]:
-    yield from relay_starter(queue, tmp_path)
 
 
 def write(names: list[str], *, per_transaction: int = 3,

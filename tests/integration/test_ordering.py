@@ -105,6 +105,10 @@ def test_a_job_that_skipped_ahead_is_not_skipped_while_it_runs(redis_client, key
         assert not ordering.turn(key, 3, "t3", gap=0.2, client=redis_client).run
         time.sleep(0.1)
     execution_lease.release(job, lease.fence, client=redis_client)
+    # Gone without passing its turn (no lease any more): after the gap, job 3 goes ahead.
+    assert not ordering.turn(key, 3, "t3", gap=0.2, client=redis_client).run
+    time.sleep(0.3)
+    assert ordering.turn(key, 3, "t3", gap=0.2, client=redis_client).skipped_ahead
 
 
 def test_a_job_that_ends_before_its_turn_gives_its_number_back(redis_client, key) -> None:
