@@ -2,7 +2,8 @@
 
 Run as a module (``python -m tests.relays no-skip-locked``) it starts one of the
 negative-control relays: the production relay with one safeguard of its claim taken
-out, to show that the tests of that safeguard can fail.
+out, to show that the tests of that safeguard can fail (or, ``slow-mark``, the
+production relay with a pause where a kill must be survived).
 """
 
 from __future__ import annotations
@@ -179,7 +180,26 @@ def main() -> None:
 
         head_of_key_clause = ""
 
-    controls = {"no-skip-locked": NoSkipLockedRelay, "order-blind": OrderBlindRelay}
+    class SlowMarkRelay(Relay):
+        """The production relay, pausing between the send and the mark (``flushed`` in
+        its log): a kill there lands in that window every time, not by luck."""
+
+        def _mark(self, events: list[Any], status: Any) -> None:
+            if events and status == "published":
+                print(f"flushed {len(events)}", flush=True)
+                time.sleep(5)
+            super()._mark(events, status)
+
+    class MarksUnsentRelay(Relay):
+        """Marks events published without sending them: the loss the kill tests look for."""
+
+        def _publish(self, event: Any, producer: Any) -> Any:
+            from django_outbox.models import OutboxStatus
+
+            return OutboxStatus.PUBLISHED
+
+    controls = {"no-skip-locked": NoSkipLockedRelay, "order-blind": OrderBlindRelay,
+                "slow-mark": SlowMarkRelay, "marks-unsent": MarksUnsentRelay}
     parser = argparse.ArgumentParser()
     parser.add_argument("control", choices=sorted(controls))
     parser.add_argument("--batch-size", type=int, default=None)

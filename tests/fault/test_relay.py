@@ -168,6 +168,34 @@ def test_sigkill_mid_batch_republishes_never_loses(start_relay, queue, redis_cli
     print(f"{kills} kills, {duplicates} events published twice")
 
 
+def test_a_kill_between_the_send_and_the_mark_republishes_the_batch(start_relay, queue,
+                                                                     redis_client) -> None:
+    """The window the random kills above may miss, hit every time: the batch is in the
+    broker, not yet marked; the next relay sends it again (at least once, no loss)."""
+    backlog(200)
+    relay = start_relay("--batch-size", "50", control="slow-mark")
+    wait_for(lambda: "flushed 50" in relay.log(), what="a batch sent, not yet marked")
+    relay.stop(signal.SIGKILL)
+    in_broker = Tally(m["id"] for m in queued(redis_client, queue))
+    assert len(in_broker) == 50 and published_ids() == set()  # sent, not marked
+    start_relay("--batch-size", "50", "--poll-interval", "0.1")
+    wait_for(lambda: pending() == 0, timeout=60, what="the rest relayed")
+    in_broker = Tally(m["id"] for m in queued(redis_client, queue))
+    assert set(in_broker) == published_ids() and len(in_broker) == 200
+    assert sorted(in_broker.values()).count(2) == 50  # that batch, twice; nothing lost
+
+
+def test_negative_control_a_relay_that_marks_unsent_events_is_caught(start_relay, queue,
+                                                                     redis_client) -> None:
+    backlog(200)
+    relay = start_relay("--batch-size", "50", control="marks-unsent")
+    wait_for(lambda: pending() == 0, what="the backlog marked")
+    relay.stop()
+    sent = {m["id"] for m in queued(redis_client, queue)}
+    # The check of the kill tests above ("never marked without being sent") fails here.
+    assert not published_ids() <= sent, "the negative control lost nothing: the check cannot fail"
+
+
 RACE_EVENTS = 600
 
 
