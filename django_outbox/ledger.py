@@ -53,16 +53,11 @@ _CLAIM_SQL = (
     f"INSERT INTO {_table} (key, task_name, task_id, fingerprint, result_ref, processed_at) "
     "VALUES (%s, %s, %s, %s, '', %s) ON CONFLICT (key) DO NOTHING RETURNING key"
 )
+# Read when the claim lost: a plain statement after the claim, so it takes a new
+# snapshot and sees the row of a concurrent claimant the claim waited for. (A CTE that
+# claimed or read in one statement was tried: PostgreSQL took 120-180 us more to plan
+# it than the bare INSERT, on every first run; bench/p2_ceiling.py.)
 _EXISTING_SQL = f"SELECT fingerprint, result_ref FROM {_table} WHERE key = %s"
-# PostgreSQL: claim, or read the row that is already there, in one statement. The read
-# uses the statement's snapshot, so a row committed by a concurrent claimant we waited
-# for is not visible to it: no row comes back and _EXISTING_SQL reads it afresh.
-_CLAIM_OR_READ_SQL = (
-    f"WITH claim AS ({_CLAIM_SQL}) "
-    "SELECT true, NULL, NULL FROM claim "
-    f"UNION ALL SELECT false, fingerprint, result_ref FROM {_table} "
-    "WHERE key = %s AND NOT EXISTS (SELECT 1 FROM claim)"
-)
 _RESULT_SQL = f"UPDATE {_table} SET result_ref = %s WHERE key = %s"
 
 # The fence: a newer execution of this job took its lease over (execution_lease) and
@@ -106,26 +101,18 @@ def effect(
     with transaction.atomic(using=alias):
         trips = _round_trips(connection) if owns_transaction else None
         params: list[Any] = [key, task_name, task_id, fingerprint, timezone.now()]
-        row: Sequence[Any] | None
         if trips is not None:
-            row = trips.begin_and_fetch(_CLAIM_OR_READ_SQL, [*params, key])
-        elif connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute(_CLAIM_OR_READ_SQL, [*params, key])
-                row = cursor.fetchone()
+            won = trips.begin_and_claim(_CLAIM_SQL, params)
         else:
             with connection.cursor() as cursor:
                 cursor.execute(_CLAIM_SQL, params)
-                row = (True, None, None) if cursor.fetchone() is not None else None
-        if row is None:
-            with connection.cursor() as cursor:
-                cursor.execute(_EXISTING_SQL, [key])
-                stored_fingerprint, result_ref = cursor.fetchone()
-            row = (False, stored_fingerprint, result_ref)
-        won, stored_fingerprint, result_ref = row
+                won = cursor.fetchone() is not None
         if won:
             claimed = Effect(key=key, fingerprint=fingerprint, done=False)
         else:
+            with connection.cursor() as cursor:
+                cursor.execute(_EXISTING_SQL, [key])
+                stored_fingerprint, result_ref = cursor.fetchone()
             if stored_fingerprint != fingerprint:
                 raise IdempotencyConflict(
                     key, stored_fingerprint=stored_fingerprint, fingerprint=fingerprint
@@ -202,15 +189,9 @@ class _RoundTrips:
         self._raw = raw
         self._quote = psycopg.ClientCursor(raw).mogrify
 
-    def begin_and_fetch(self, sql: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
-        """The first row, decoded as text (``t``/``f`` for booleans), or None."""
-        result = self._run("BEGIN; " + self._quote(sql, params))
-        if not result.ntuples:
-            return None
-        encoding = self._raw.info.encoding
-        values = [result.get_value(0, i) for i in range(result.nfields)]
-        decoded = [None if v is None else bytes(v).decode(encoding) for v in values]
-        return (decoded[0] == "t", *decoded[1:])
+    def begin_and_claim(self, sql: str, params: Sequence[Any]) -> bool:
+        """True when the claim (``INSERT ... RETURNING``) returned its row: it won."""
+        return bool(self._run("BEGIN; " + self._quote(sql, params)).ntuples)
 
     def execute_and_commit(self, statements: list[Statement]) -> None:
         parts = [self._quote(sql, params) for sql, params in statements]
