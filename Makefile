@@ -1,5 +1,5 @@
 # Convenience targets; scripts/ holds the real commands.
-.PHONY: test demo lint bench bench-p1 bench-p2 bench-p3 bench-p4 bench-p5 bench-lag
+.PHONY: test demo lint bench bench-p1 bench-p1-floor bench-p2 bench-p2-ceiling bench-p3 bench-p4 bench-p5 bench-lag
 
 test:
 	./scripts/test
@@ -15,8 +15,14 @@ bench: bench-p1 bench-p2 bench-p3 bench-p4 bench-p5 bench-lag
 bench-p1:
 	./scripts/bench p1_throughput.py
 
+bench-p1-floor:
+	./scripts/bench p1_throughput.py --floor
+
 bench-p2:
 	./scripts/bench p2_effect.py
+
+bench-p2-ceiling:
+	./scripts/bench p2_ceiling.py
 
 bench-p4:
 	./scripts/bench p4_locks.py

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import transaction
 from django.db.models import F
 
@@ -37,3 +39,52 @@ app.register_task(ExplicitUpdate())
 @app.task(name="bench.noop", acks_late=True)
 def noop(row_id: int, op_id: str) -> None:
     """Baseline: Celery's own cost per task on this machine."""
+
+
+# --- the floor: what the contract must send, with none of our Python around it -------
+# One SET NX PX and one DEL (the execution lease's two round trips), BEGIN + the ledger
+# claim in one string, the same ORM update, the attempt row + COMMIT in one string: the
+# statements ExplicitUpdate's job sends, built by hand. P1 against this task says how
+# much of the gap is PostgreSQL's and Redis's work, which no code of ours can remove.
+# EXPLICIT_EXECUTION_LEASE=0 drops the two Redis round trips here as it drops the lease.
+_floor_redis: Any = None
+_ATTEMPT_SQL = (
+    "INSERT INTO django_outbox_attempt (task_id, task_name, idempotency_key, attempt, "
+    "redelivered, worker_host, worker_pid, started_at, finished_at, duration_ms, outcome, "
+    "error_class, error_message, correlation_id, external_request_id) VALUES "
+    "({op}, 'bench.floor_update', {key}, 1, false, 'bench', 1, now(), now(), 0.5, "
+    "'applied', '', '', {op}, '')"
+)
+
+
+@app.task(name="bench.floor_update", acks_late=True)
+def floor_update(row_id: int, op_id: str) -> None:
+    global _floor_redis
+    import redis
+    from django.conf import settings
+    from django.db import connection
+    from psycopg import sql
+
+    from celery_explicit import execution_lease
+    from django_outbox import ledger
+
+    if _floor_redis is None:
+        _floor_redis = redis.Redis.from_url(settings.REDIS_URL)
+    leased = execution_lease.enabled()
+    lease = f"bench:floor:{op_id}"
+    if leased:
+        _floor_redis.set(lease, "holder", nx=True, px=30_000)
+    connection.ensure_connection()
+    raw = connection.connection
+    key = f"bench:{op_id}"
+    claim = sql.SQL(ledger._CLAIM_SQL.replace("%s", "{}")).format(
+        key, "bench.floor_update", op_id, "f", sql.SQL("now()")).as_string(raw)
+    with transaction.atomic():
+        claimed = raw.pgconn.exec_(f"BEGIN; {claim}".encode())
+        assert claimed.ntuples == 1, claimed.error_message  # a fresh key: the claim won
+        Row.objects.filter(id=row_id).update(value=F("value") + 1)
+        attempt = sql.SQL(_ATTEMPT_SQL).format(op=op_id, key=key).as_string(raw)
+        committed = raw.pgconn.exec_(f"{attempt}; COMMIT".encode())
+        assert committed.command_status == b"COMMIT", committed.error_message
+    if leased:
+        _floor_redis.delete(lease)

@@ -16,6 +16,7 @@ import time
 from collections import Counter as Tally
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission, User
@@ -130,19 +131,30 @@ def test_notify_wakes_the_relay_without_polling(start_relay, queue) -> None:
 
 def test_negative_control_without_listen_an_idle_relay_waits_for_its_poll(queue) -> None:
     relay = Relay(notify_channel="", poll_interval=60)
-    idle = threading.Event()
+    waiting = threading.Event()
+
+    def ready(wakeup: Any) -> None:
+        # Tell the test when the relay has made its first claim and gone to wait: an
+        # event committed before that claim would be published by it, and the test
+        # would fail for the wrong reason.
+        wait = wakeup.wait
+
+        def announced_wait(timeout: float) -> Any:
+            waiting.set()
+            return wait(timeout)
+
+        wakeup.wait = announced_wait
 
     def run() -> None:
         try:
-            relay.run(on_ready=lambda wakeup: idle.set())
+            relay.run(on_ready=ready)
         finally:
             connections.close_all()
 
     thread = threading.Thread(target=run)
     thread.start()
     try:
-        assert idle.wait(10)
-        time.sleep(0.3)  # past its first claim, into its 60 s wait
+        assert waiting.wait(10)  # its first claim found nothing; 60 s until the next
         with transaction.atomic():
             publish_event("tests.note", {"name": "unheard"}, options={"queue": queue})
         time.sleep(2)
