@@ -16,14 +16,21 @@ process does that every ``T / 4`` for each message it holds, with ``T`` the task
   never redelivered, however long it runs;
 - when the worker dies the deadline stops moving: the job is visible again after ``T``
   plus one sweep (``unacked_restore_interval``), not after the global timeout;
+- a message received since the last heartbeat gets its first lease within
+  ``FIRST_LEASE_INTERVAL`` (0.1 s), not at the next heartbeat: until then it carries
+  kombu's score, and a worker killed in that gap leaves it to the global timeout.
+  (Leased at the first heartbeat instead, ``T / 4`` and up to 10 s later, a job whose
+  worker was killed in its first seconds waited the whole global timeout.)
 - a pool child that is stopped (SIGSTOP, ``T`` state in /proc) is not extended: its
   lease runs out like a dead worker's.
 
 Each extension is one ``ZADD XX`` (the entry must still exist: an acked message is not
 resurrected) plus the lease record an operator reads: ``{prefix}lease:{task_id}``, a
 hash with owner (host:pid), deadline, extensions and the delivery tag, expiring with
-the lease. The global ``visibility_timeout`` stays as the backstop and must be longer
-than every task's lease (``manage.py check``: django_outbox.E003).
+the lease. All the messages of one heartbeat (or of one first-lease look) go in one
+pipeline: one round trip, however many messages the worker holds. The global
+``visibility_timeout`` stays as the backstop and must be longer than every task's
+lease (``manage.py check``: django_outbox.E003).
 
 The visibility part is for the Redis broker only; on RabbitMQ the broker redelivers on
 connection loss, not on time. On every broker the same heartbeat extends each running
@@ -49,6 +56,10 @@ logger = logging.getLogger("celery_explicit.lease")
 
 #: Extend every lease at this fraction of its timeout.
 HEARTBEAT_FRACTION = 0.25
+#: Seconds between looks for messages received since the last heartbeat, which get
+#: their first lease then. Short: it bounds how long a new message depends on the
+#: global timeout. Cheap: a look with nothing new sends nothing.
+FIRST_LEASE_INTERVAL = 0.1
 #: Test and incident switch: set to "0" to stop extending (leases then run out).
 EXTEND_ENV = "EXPLICIT_LEASE_EXTEND"
 
@@ -99,6 +110,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self._tref: Any = None
+        self._first_tref: Any = None
         self._script: Any = None
         self._host = socket.gethostname()
         self._leased: set[str] = set()
@@ -118,26 +130,49 @@ class LeaseKeeper(bootsteps.StartStopStep):
             # Script objects run on the client passed at call time; never on
             # channel.client itself, whose connection may be blocked in BRPOP.
             self._script = parent.connection.default_channel.client.register_script(EXTEND)
+            self._first_tref = parent.timer.call_repeatedly(
+                FIRST_LEASE_INTERVAL, self.first_leases, (parent,)
+            )
         self._tref = parent.timer.call_repeatedly(interval, self.tick, (parent,))
 
     def stop(self, parent: Any) -> None:
-        if self._tref is not None:
-            self._tref.cancel()
-            self._tref = None
+        for tref in (self._tref, self._first_tref):
+            if tref is not None:
+                tref.cancel()
+        self._tref = self._first_tref = None
 
     def tick(self, parent: Any) -> None:
+        """The heartbeat: every held message's lease, and every execution lease."""
         from celery.worker import state
 
         reserved = list(state.reserved_requests)
         self._extend_execution_leases(reserved)
         if self._script is None:
             return  # not the Redis transport: the broker has no visibility timeout
+        self._lease_messages(parent, reserved, prune=True)
+
+    def first_leases(self, parent: Any) -> None:
+        """Between heartbeats: a first lease for each message received since the last."""
+        from celery.worker import state
+
+        from celery_explicit.task import ExplicitTask
+
+        new = [
+            request
+            for request in state.reserved_requests
+            if isinstance(request.task, ExplicitTask)
+            and request.message.delivery_tag not in self._leased
+        ]
+        if new:
+            self._lease_messages(parent, new, prune=False)
+
+    def _lease_messages(self, parent: Any, reserved: list[Any], *, prune: bool) -> None:
         channel = parent.connection.default_channel
         try:
             # A pooled connection, never channel.client's own: that one may be blocked
             # in BRPOP, and a reply read by the wrong reader stops the worker.
             with channel.conn_or_acquire() as client:
-                self._extend_all(channel, client, reserved)
+                self._extend_all(channel, client, reserved, prune=prune)
         except channel.connection_errors:
             logger.warning("could not extend leases: broker connection lost")
 
@@ -164,13 +199,20 @@ class LeaseKeeper(bootsteps.StartStopStep):
         except redis.RedisError:
             logger.warning("could not extend execution leases: Redis unavailable")
 
-    def _extend_all(self, channel: Any, client: Any, reserved: list[Any]) -> None:
+    def _extend_all(self, channel: Any, client: Any, reserved: list[Any], *, prune: bool) -> None:
+        """Move the lease of each message in ``reserved``, in one pipeline.
+
+        ``prune``: ``reserved`` is every message this worker holds, so forget the
+        messages that are gone (acked) from the set of those leased.
+        """
         from celery_explicit.task import ExplicitTask
 
         backstop = float(channel.visibility_timeout)
         now = time.time()
         extend = os.environ.get(EXTEND_ENV) != "0"
         held = set()
+        pipe = client.pipeline(transaction=False)
+        sent: list[tuple[Any, str]] = []
         for request in reserved:
             task = request.task
             if not isinstance(task, ExplicitTask):
@@ -191,7 +233,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 # Give it its own lease once; it runs out T from now.
             lease = task.contract.visibility_timeout
             deadline = now + lease
-            moved = self._script(
+            self._script(
                 keys=[channel.unacked_index_key, lease_key(request.id)],
                 args=[
                     request.message.delivery_tag,
@@ -200,12 +242,16 @@ class LeaseKeeper(bootsteps.StartStopStep):
                     f"{self._host}:{pid or os.getpid()}",
                     int(deadline * 1000),
                 ],
-                client=client,
+                client=pipe,
             )
-            if moved:
-                self._leased.add(tag)
-                metrics.lease_extensions.labels(task.name).inc()
-        self._leased &= held
+            sent.append((task, tag))
+        if sent:
+            for (task, tag), moved in zip(sent, pipe.execute(), strict=True):
+                if moved:
+                    self._leased.add(tag)
+                    metrics.lease_extensions.labels(task.name).inc()
+        if prune:
+            self._leased &= held
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ import pytest
 from django.core.management import call_command
 
 from celery_explicit.execution_lease import live_executions
-from celery_explicit.lease import live_leases
+from celery_explicit.lease import lease_key, live_leases
 from django_outbox.models import Attempt, Outcome
 from tests.testapp.models import Counter
 from tests.testapp.tasks import SlowShip, increment_unguarded
-from tests.workers import wait_for
+from tests.workers import Worker, wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
@@ -84,19 +84,36 @@ def test_negative_control_without_extension_the_job_is_redelivered(start_worker,
     assert {Counter.objects.get(name=o).value for o in orders} == {1}
 
 
+def holder_and_other(workers: tuple[Worker, Worker], redis_client, order: str
+                     ) -> tuple[Worker, Worker]:
+    """Which of two running workers got the job, and the other one.
+
+    Both are started before the job is published: a worker started while the job runs
+    could take longer to start than the job takes to end.
+    """
+    wait_for(lambda: ran(redis_client, order), timeout=20, what="the job to start")
+    (pid,) = ran(redis_client, order)
+    a, b = workers
+    assert pid in (a.process.pid, b.process.pid)
+    return (a, b) if pid == a.process.pid else (b, a)
+
+
 def test_a_killed_worker_s_job_runs_again_within_its_own_lease(start_worker, queue,
                                                                 redis_client) -> None:
-    a = start_worker(concurrency=2)
+    workers = start_worker(concurrency=2), start_worker(concurrency=2)
     (order,) = publish(queue, seconds=4.0, jobs=1)
-    wait_for(lambda: ran(redis_client, order), timeout=20, what="the job to start")
-    assert ran(redis_client, order) == [a.process.pid]
-    b = start_worker(concurrency=2)
+    holder, other = holder_and_other(workers, redis_client, order)
+    # Its message has its own lease within 0.1 s of its delivery (the keeper's first
+    # look, tests/integration/test_lease_keeper.py); a kill before that would leave it
+    # to the global timeout.
+    wait_for(lambda: redis_client.exists(lease_key(PUBLISHED[order])), timeout=5,
+             what="the message's own lease")
     killed_at = time.monotonic()
-    os.killpg(a.process.pid, signal.SIGKILL)  # the whole worker, children included
+    os.killpg(holder.process.pid, signal.SIGKILL)  # the whole worker, children included
     wait_for(lambda: len(ran(redis_client, order)) == 2, timeout=30,
              what="the job to run again")
     rerun_after = time.monotonic() - killed_at
-    assert ran(redis_client, order)[1] == b.process.pid
+    assert ran(redis_client, order)[1] == other.process.pid
     # Its 2 s lease plus one 1 s sweep (and a heartbeat), not the 60 s global timeout.
     assert rerun_after < 10.0
     wait_for(lambda: Attempt.objects.filter(idempotency_key=f"order:{order}:ship",
@@ -107,16 +124,15 @@ def test_a_killed_worker_s_job_runs_again_within_its_own_lease(start_worker, que
 
 def test_a_stopped_child_loses_its_lease_and_another_worker_takes_the_job(
         start_worker, queue, redis_client) -> None:
-    a = start_worker(concurrency=1)
+    workers = start_worker(concurrency=1), start_worker(concurrency=1)
     (order,) = publish(queue, seconds=4.0, jobs=1)
-    wait_for(lambda: ran(redis_client, order), timeout=20, what="the job to start")
-    (child,) = a.child_pids()
-    b = start_worker(concurrency=1)
+    holder, other = holder_and_other(workers, redis_client, order)
+    (child,) = holder.child_pids()
     os.kill(child, signal.SIGSTOP)  # a GC pause, a debugger, a frozen VM
     try:
         wait_for(lambda: len(ran(redis_client, order)) == 2, timeout=20,
                  what="another worker to take the job")
-        assert ran(redis_client, order) == [a.process.pid, b.process.pid]
+        assert ran(redis_client, order) == [holder.process.pid, other.process.pid]
         wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists(),
                  timeout=20, what="the second worker's effect")
     finally:
@@ -131,13 +147,15 @@ def test_a_stopped_child_loses_its_lease_and_another_worker_takes_the_job(
 def test_negative_control_a_plain_task_of_a_killed_worker_waits_for_the_global_timeout(
         start_worker, queue, redis_client) -> None:
     Counter.objects.create(name="plain")
-    a = start_worker(concurrency=1)
-    increment_unguarded.apply_async(kwargs={"name": "plain", "op_id": "1", "hold": 4.0},
+    workers = start_worker(concurrency=1), start_worker(concurrency=1)
+    increment_unguarded.apply_async(kwargs={"name": "plain", "op_id": "1", "hold": 8.0},
                                     queue=queue)
-    # Its message is held unacknowledged by worker a (no lease of its own).
-    wait_for(lambda: redis_client.hlen("unacked") and a.log().count(" received") >= 1,
+    # Its message is held unacknowledged by the worker that received it (no lease of
+    # its own); kill that one.
+    wait_for(lambda: redis_client.hlen("unacked")
+             and any(w.log().count(" received") for w in workers),
              timeout=20, what="the plain job to start")
-    start_worker(concurrency=1)
-    os.killpg(a.process.pid, signal.SIGKILL)
+    (holder,) = [w for w in workers if " received" in w.log()]
+    os.killpg(holder.process.pid, signal.SIGKILL)
     time.sleep(10.0)  # where the ExplicitTask above had long run again
     assert Counter.objects.get(name="plain").value == 0  # not rerun: waits the 60 s backstop

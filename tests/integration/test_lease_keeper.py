@@ -1,0 +1,85 @@
+"""The worker's lease keeper on a real kombu Redis channel: when a message gets its lease.
+
+A message kombu has just delivered is scored with its delivery time in the unacked
+index, so until the keeper leases it, it depends on the global visibility timeout. The
+keeper gives each new message its lease at its first look (every 0.1 s), not at the
+next heartbeat (T / 4, up to 10 s). A worker killed between the two lost the job for
+the whole global timeout (seen: tests/fault/test_lease.py's kill test, with the kill
+right after the job started).
+
+The message, the channel and the Redis sorted set are real; the worker's request is a
+plain object carrying what the keeper reads from Celery's (task, message, pid, id).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+from celery.worker import state
+from django.conf import settings
+from kombu import Connection, Queue
+
+from celery_explicit.lease import EXTEND, LeaseKeeper, lease_key
+from tests.testapp.tasks import SlowShip
+
+BACKSTOP = 60.0  # the global visibility timeout of this test's channel
+
+
+@pytest.fixture
+def held(redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """One message delivered and not acked, on a channel with its own unacked keys."""
+    suffix = uuid.uuid4().hex[:8]
+    options = {
+        "visibility_timeout": BACKSTOP,
+        "unacked_key": f"explicit-test:unacked:{suffix}",
+        "unacked_index_key": f"explicit-test:unacked-index:{suffix}",
+        "unacked_mutex_key": f"explicit-test:unacked-mutex:{suffix}",
+    }
+    with Connection(settings.REDIS_URL, transport_options=options) as connection:
+        channel = connection.default_channel
+        queue = Queue(f"q-{suffix}", channel=channel)
+        queue.declare()
+        connection.Producer().publish({"order": 1}, routing_key=queue.name)
+        message = queue.get(no_ack=False)
+        assert message is not None
+        request = SimpleNamespace(task=SlowShip(), message=message, worker_pid=os.getpid(),
+                                  id=f"job-{suffix}")
+        monkeypatch.setattr(state, "reserved_requests", [request])
+        keeper = LeaseKeeper(SimpleNamespace())
+        keeper._script = channel.client.register_script(EXTEND)
+        yield SimpleNamespace(keeper=keeper, parent=SimpleNamespace(connection=connection),
+                              request=request, index=options["unacked_index_key"],
+                              tag=message.delivery_tag)
+        message.ack()
+        redis_client.delete(queue.name, lease_key(request.id), *options.values())
+
+
+def test_a_new_message_gets_its_lease_at_the_first_look(held, redis_client) -> None:
+    delivered = redis_client.zscore(held.index, held.tag)
+    assert delivered is not None and abs(delivered - time.time()) < 5  # kombu's score
+    before = time.time()
+    held.keeper.first_leases(held.parent)
+    # Scored so the sweep puts it back T (SlowShip: 2 s) from now, not 60 s from its
+    # delivery: deadline - backstop.
+    score = redis_client.zscore(held.index, held.tag)
+    assert before + 2 - BACKSTOP - 0.5 < score < time.time() + 2 - BACKSTOP + 0.5
+    record = redis_client.hgetall(lease_key(held.request.id))
+    assert record[b"extensions"] == b"1"
+    assert record[b"owner"].endswith(f":{os.getpid()}".encode())
+    assert 0 < redis_client.pttl(lease_key(held.request.id)) <= 2000
+
+
+def test_a_leased_message_is_left_to_the_heartbeat(held, redis_client) -> None:
+    held.keeper.first_leases(held.parent)
+    held.keeper.first_leases(held.parent)  # nothing new: nothing sent
+    assert redis_client.hget(lease_key(held.request.id), "extensions") == b"1"
+    held.keeper.tick(held.parent)  # the heartbeat extends every held message
+    assert redis_client.hget(lease_key(held.request.id), "extensions") == b"2"
+
