@@ -20,7 +20,9 @@ def test_poison_message_goes_to_dead_letters_after_max_deliveries(start_worker, 
     worker = start_worker()
     job = uuid.uuid4().hex[:8]
     KillsItsWorker().apply_async(args=[job], queue=queue)
-    letter = wait_for(lambda: DeadLetter.objects.first(), timeout=60, what="the dead letter")
+    # The attempt row is written just after the dead letter commits: wait for it too.
+    wait_for(lambda: Attempt.objects.exists(), timeout=60, what="the terminal attempt")
+    letter = DeadLetter.objects.get()
     assert letter.reason == DeadLetterReason.DELIVERY_LIMIT
     assert "delivered 4 times, more than max_deliveries=3" in letter.error_message
     assert redis_client.llen(f"ran:{job}") == 3  # three kills, the fourth not run

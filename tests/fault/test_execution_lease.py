@@ -42,6 +42,7 @@ def stop_and_wake(redis_client, queue: str, order_id: int) -> str:  # type: igno
     stale_pid = int(wait_for(lambda: redis_client.lindex(f"started:{tag}", 0), timeout=20,
                              what="the first execution"))
     os.kill(stale_pid, signal.SIGSTOP)
+    redis_client.set(f"stopped:{tag}", 1, ex=60)  # seen once it is woken up
     try:
         Profile.objects.filter(user_id=order_id).update(data="new address")
         wait_for(lambda: redis_client.llen(f"started:{tag}") == 2, timeout=20,

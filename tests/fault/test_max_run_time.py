@@ -18,7 +18,10 @@ def test_soft_and_hard_limits_stop_the_run_and_leave_a_dead_letter(start_worker,
     worker = start_worker(concurrency=2)
     polite = Overrun().apply_async(args=["polite"], queue=queue)
     stubborn = Overrun().apply_async(args=["stubborn", True], queue=queue)
-    wait_for(lambda: DeadLetter.objects.count() == 2, timeout=30, what="two dead letters")
+    # A dead letter commits just before its attempt row: wait for the polite one's row.
+    wait_for(lambda: DeadLetter.objects.count() == 2
+             and Attempt.objects.filter(task_id=polite.id).exists(),
+             timeout=30, what="two dead letters")
     letters = {d.task_id: d for d in DeadLetter.objects.all()}
     assert {d.reason for d in letters.values()} == {DeadLetterReason.MAX_RUN_TIME}
     # The polite run raised SoftTimeLimitExceeded and recorded its own attempt.

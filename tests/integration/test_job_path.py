@@ -82,7 +82,9 @@ def test_same_key_with_other_arguments_is_a_conflict_dead_letter(start_worker, q
     Increment().apply_async(kwargs={"name": "c", "op_id": "1", "amount": 1}, queue=queue)
     wait_for(lambda: outcomes() == [Outcome.APPLIED], what="first apply")
     Increment().apply_async(kwargs={"name": "c", "op_id": "1", "amount": 5}, queue=queue)
-    letter = wait_for(lambda: DeadLetter.objects.first(), what="conflict dead letter")
+    # The dead letter commits first and the attempt row just after: wait for the row.
+    wait_for(lambda: outcomes() == [Outcome.APPLIED, Outcome.CONFLICT], what="the conflict")
+    letter = DeadLetter.objects.get()
     assert letter.reason == DeadLetterReason.CONFLICT
     assert letter.idempotency_key == "counter:c:op:1"
     assert "already applied with different arguments" in letter.error_message
@@ -96,8 +98,10 @@ def test_retry_delays_are_spread_capped_and_exhaustion_dead_letters(start_worker
     jobs = [f"j{i}" for i in range(16)]
     for job in jobs:
         AlwaysTransient().apply_async(args=[job], queue=queue)
-    wait_for(lambda: DeadLetter.objects.count() == len(jobs), timeout=60,
-             what="every job exhausted")
+    # Each dead letter commits just before its attempt row: wait for both.
+    wait_for(lambda: DeadLetter.objects.count() == len(jobs)
+             and Attempt.objects.filter(outcome=Outcome.EXHAUSTED).count() == len(jobs),
+             timeout=60, what="every job exhausted")
     letters = DeadLetter.objects.all()
     assert {d.reason for d in letters} == {DeadLetterReason.EXHAUSTED}
     assert {d.attempts for d in letters} == {4}
@@ -129,7 +133,9 @@ def test_retry_delays_are_spread_capped_and_exhaustion_dead_letters(start_worker
 def test_retry_after_from_the_exception_wins_over_backoff(start_worker, queue):
     start_worker()
     Throttled().apply_async(args=["t1"], queue=queue)
-    wait_for(lambda: DeadLetter.objects.exists(), what="exhausted after one retry")
+    wait_for(lambda: DeadLetter.objects.exists()
+             and Attempt.objects.filter(outcome=Outcome.EXHAUSTED).exists(),
+             what="exhausted after one retry")
     first, second = Attempt.objects.order_by("attempt")
     assert first.retry_delay == 1.5
     assert (second.started_at - first.finished_at).total_seconds() >= 1.4

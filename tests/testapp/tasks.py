@@ -400,7 +400,11 @@ class ShipToAddress(ExplicitTask):
         client = redis.Redis.from_url(settings.REDIS_URL)
         address = Profile.objects.get(user_id=order_id).data
         if client.rpush(f"started:{tag}", os.getpid()) == 1:
-            time.sleep(0.5)  # stopped here by the test
+            # Stopped here by the test, which then sets the key: a stopped process can
+            # only see it once it is woken up, so the test is never too late to stop it.
+            deadline = time.monotonic() + 30
+            while not client.exists(f"stopped:{tag}") and time.monotonic() < deadline:
+                time.sleep(0.05)
         else:
             deadline = time.monotonic() + 30
             while not client.exists(f"proceed:{tag}") and time.monotonic() < deadline:
