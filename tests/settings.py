@@ -64,6 +64,9 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "visibility_timeout": 60,
     "unacked_restore_interval": 1,
     "unacked_restore_throttle": 1,
+    # kombu holds a mutex (default 300 s) while one worker sweeps: a worker SIGKILLed
+    # mid-sweep (the fault tests kill workers) would stop every restore for 5 minutes.
+    "unacked_mutex_expire": 5,
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 

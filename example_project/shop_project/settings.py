@@ -76,6 +76,8 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "visibility_timeout": 3600,
     "unacked_restore_interval": 1,
     "unacked_restore_throttle": 1,
+    # A worker killed mid-sweep leaves kombu's sweep mutex behind: 30 s, not 300 s.
+    "unacked_mutex_expire": 30,
 }
 CELERY_DB_REUSE_MAX = 1000
 
