@@ -230,7 +230,8 @@ def test_a_lost_bump_serves_the_old_version_until_the_timeout_then_a_fill_counts
     prefix: str, r: redis.Redis
 ) -> None:
     name = f"profile_{uuid.uuid4().hex[:6]}"
-    profiles = VersionedCache(name + ":{user_id}", source=load, timeout=0.5)
+    # Long enough to outlast the fill, the UPDATE and the second read on a loaded machine.
+    profiles = VersionedCache(name + ":{user_id}", source=load, timeout=2.0)
     CachedProfile.objects.create(user_id=1, name="v1", version=1)
     assert profiles.get_versioned(user_id=1)[1] == 1
     CachedProfile.objects.filter(user_id=1).update(name="v2", version=2)  # no bump: lost

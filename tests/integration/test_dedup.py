@@ -39,7 +39,7 @@ def test_after_the_window_the_same_id_publishes_again(redis_client, queue) -> No
     ShortDedup().apply_async(args=[event], queue=queue)
     ShortDedup().apply_async(args=[event], queue=queue)
     assert redis_client.llen(queue) == 1
-    time.sleep(0.4)
+    time.sleep(2.2)
     ShortDedup().apply_async(args=[event], queue=queue)
     assert redis_client.llen(queue) == 2
 

@@ -34,9 +34,9 @@ def test_ttl_is_set_within_bounds_and_extend_pushes_it(redis_client, prefix) -> 
     a = lock(redis_client, prefix, ttl=2.0)
     a.acquire()
     pttl = redis_client.pttl(a.key)
-    assert 1500 < pttl <= 2000
+    assert 1000 < pttl <= 2000  # a slow round trip may eat some of it, never add
     a.extend(10.0)
-    assert 9500 < redis_client.pttl(a.key) <= 10000
+    assert 9000 < redis_client.pttl(a.key) <= 10000
     a.release()
 
 
@@ -106,9 +106,10 @@ def test_bounded_wait_gets_the_lock_when_released_and_records_the_wait(redis_cli
                       if s.name.endswith("_count"))
     assert count_after == count_before + 2  # a's and b's acquisitions
     b.release()
-    with pytest.raises(LockNotAcquired, match=r"waited 0\.[2-4]"):
+    with pytest.raises(LockNotAcquired, match=r"waited \d+\.\d{3}s") as refused:
         a.acquire()
         lock(redis_client, prefix).acquire(wait=0.3)
+    assert refused.value.waited >= 0.29  # the whole bounded wait, however late it ends
 
 
 @pytest.mark.parametrize("ttl", [0, -1, "5", None, True])

@@ -17,6 +17,10 @@ def key() -> str:
     return f"order:{uuid.uuid4().hex[:10]}"
 
 
+# Long enough that two calls meant to fall inside it still do on a loaded machine (at
+# 0.2 s, a stall between two back-to-back calls could make the second one skip ahead).
+GAP = 1.0
+
 def test_jobs_take_turns_in_publish_order(redis_client, key) -> None:
     first, second, third = (ordering.take_number(key, client=redis_client) for _ in range(3))
     assert (first, second, third) == (1, 2, 3)
@@ -43,24 +47,24 @@ def test_a_number_given_back_is_not_waited_for(redis_client, key) -> None:
 def test_a_job_that_never_comes_is_skipped_after_the_gap(redis_client, key) -> None:
     for _ in range(2):
         ordering.take_number(key, client=redis_client)
-    assert not ordering.turn(key, 2, "t2", gap=0.2, client=redis_client).run  # clock starts
-    assert not ordering.turn(key, 2, "t2", gap=0.2, client=redis_client).run
-    time.sleep(0.3)
-    turn = ordering.turn(key, 2, "t2", gap=0.2, client=redis_client)
+    assert not ordering.turn(key, 2, "t2", gap=GAP, client=redis_client).run  # clock starts
+    assert not ordering.turn(key, 2, "t2", gap=GAP, client=redis_client).run
+    time.sleep(GAP + 0.3)
+    turn = ordering.turn(key, 2, "t2", gap=GAP, client=redis_client)
     assert turn.run and turn.skipped_ahead and turn.next_seq == 1
     # The straggler still runs (its writes must carry a version), out of turn.
-    assert ordering.turn(key, 1, "t1", gap=0.2, client=redis_client).run
+    assert ordering.turn(key, 1, "t1", gap=GAP, client=redis_client).run
 
 
 def test_a_live_job_ahead_is_never_skipped(redis_client, key) -> None:
     for _ in range(2):
         ordering.take_number(key, client=redis_client)
     head = f"job-{uuid.uuid4().hex[:8]}"
-    assert ordering.turn(key, 1, head, gap=0.2, client=redis_client).run
+    assert ordering.turn(key, 1, head, gap=GAP, client=redis_client).run
     lease = execution_lease.acquire(head, ttl=5, client=redis_client)
     assert isinstance(lease, execution_lease.Taken)
-    for _ in range(4):  # longer than the gap, while the head holds its lease
-        assert not ordering.turn(key, 2, "t2", gap=0.2, client=redis_client).run
+    for _ in range(12):  # longer than the gap, while the head holds its lease
+        assert not ordering.turn(key, 2, "t2", gap=GAP, client=redis_client).run
         time.sleep(0.1)
     execution_lease.release(head, lease.fence, client=redis_client)
 
@@ -95,20 +99,20 @@ def test_a_failed_publish_gives_its_number_back(redis_client, queue) -> None:
 def test_a_job_that_skipped_ahead_is_not_skipped_while_it_runs(redis_client, key) -> None:
     for _ in range(3):
         ordering.take_number(key, client=redis_client)
-    assert not ordering.turn(key, 2, "t2", gap=0.2, client=redis_client).run
-    time.sleep(0.3)
+    assert not ordering.turn(key, 2, "t2", gap=GAP, client=redis_client).run
+    time.sleep(GAP + 0.3)
     job = f"job-{uuid.uuid4().hex[:8]}"
-    assert ordering.turn(key, 2, job, gap=0.2, client=redis_client).skipped_ahead
+    assert ordering.turn(key, 2, job, gap=GAP, client=redis_client).skipped_ahead
     lease = execution_lease.acquire(job, ttl=5, client=redis_client)
     assert isinstance(lease, execution_lease.Taken)
-    for _ in range(4):  # longer than the gap: job 2 is alive, job 3 waits
-        assert not ordering.turn(key, 3, "t3", gap=0.2, client=redis_client).run
+    for _ in range(12):  # longer than the gap: job 2 is alive, job 3 waits
+        assert not ordering.turn(key, 3, "t3", gap=GAP, client=redis_client).run
         time.sleep(0.1)
     execution_lease.release(job, lease.fence, client=redis_client)
     # Gone without passing its turn (no lease any more): after the gap, job 3 goes ahead.
-    assert not ordering.turn(key, 3, "t3", gap=0.2, client=redis_client).run
-    time.sleep(0.3)
-    assert ordering.turn(key, 3, "t3", gap=0.2, client=redis_client).skipped_ahead
+    assert not ordering.turn(key, 3, "t3", gap=GAP, client=redis_client).run
+    time.sleep(GAP + 0.3)
+    assert ordering.turn(key, 3, "t3", gap=GAP, client=redis_client).skipped_ahead
 
 
 def test_a_job_that_ends_before_its_turn_gives_its_number_back(redis_client, key) -> None:
