@@ -95,7 +95,7 @@ def test_rabbitmq_redelivery_after_connection_loss_does_not_run_concurrently(
     for op in ops:
         Counter.objects.create(name=op)
         with Connection(RABBITMQ_URL) as conn:
-            HoldsTheLine().apply_async(kwargs={"name": op, "op_id": op, "seconds": 4},
+            HoldsTheLine().apply_async(kwargs={"name": op, "op_id": op, "seconds": 6},
                                        queue=queue, connection=conn)
         wait_for(lambda op=op: redis_client.llen(f"started:{op}") >= 1, timeout=20,
                  what="the first execution")

@@ -420,7 +420,9 @@ class HoldsTheLine(ExplicitTask):
 
     name = "tests.holds_the_line"
     idempotency_key = "line:{name}:{op_id}"
-    visibility_timeout = 4
+    # Outlasts the consumer's reconnect after the test drops every connection (the
+    # heartbeat that extends the lease stops while the consumer restarts).
+    visibility_timeout = 10
     expected_duration = 1
     retry_on = ()
     fail_on = ()
