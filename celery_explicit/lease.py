@@ -40,6 +40,7 @@ delivery of a job from running while the first is alive.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -71,9 +72,13 @@ EXTEND_ENV = "EXPLICIT_LEASE_EXTEND"
 # ARGV[4] - owner (host:pid of the pool child, or of the worker before it starts)
 # ARGV[5] - deadline in milliseconds since the epoch
 # return 1 if the message is still unacknowledged and its lease was moved, otherwise 0
+# (the record is deleted only if it is this delivery's: a retry or a deferral of the
+# same job is a newer delivery with the same task id, and keeps its own)
 EXTEND = """
 if not redis.call('zscore', KEYS[1], ARGV[1]) then
-    redis.call('del', KEYS[2])
+    if redis.call('hget', KEYS[2], 'tag') == ARGV[1] then
+        redis.call('del', KEYS[2])
+    end
     return 0
 end
 redis.call('zadd', KEYS[1], 'XX', ARGV[2], ARGV[1])
@@ -82,6 +87,7 @@ redis.call('hincrby', KEYS[2], 'extensions', 1)
 redis.call('pexpire', KEYS[2], ARGV[3])
 return 1
 """
+_EXTEND_SHA = hashlib.sha1(EXTEND.encode()).hexdigest()
 
 
 def lease_key(task_id: str, *, prefix: str = PREFIX) -> str:
@@ -101,6 +107,23 @@ def child_is_stopped(pid: int | None) -> bool:
     return state in (b"T", b"t")
 
 
+def held_requests() -> list[Any]:
+    """Every request whose message this worker holds unacknowledged.
+
+    The reserved ones (running, or waiting for a pool slot) and the scheduled ones (an
+    ETA or a countdown: a retry, a deferral), which wait in the worker's memory until
+    their time and whose message must come back as soon if the worker dies.
+    """
+    from celery.worker import state
+
+    held = list(state.reserved_requests)
+    seen = {id(request) for request in held}
+    # Celery 5.7 lists them in a set of their own; where it does not, they go unleased.
+    scheduled = list(getattr(state, "scheduled_requests", ()))
+    held += [r for r in scheduled if id(r) not in seen]
+    return held
+
+
 class LeaseKeeper(bootsteps.StartStopStep):
     """Consumer step: moves each held ExplicitTask message's deadline forward."""
 
@@ -111,9 +134,14 @@ class LeaseKeeper(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         self._tref: Any = None
         self._first_tref: Any = None
-        self._script: Any = None
+        self._redis_broker = False
         self._host = socket.gethostname()
+        #: Delivery tags whose message has its lease, and those found already gone
+        #: (acked between the listing and the lease): neither is leased anew by the
+        #: first-lease look. Both are pruned to the messages still held at each
+        #: heartbeat.
         self._leased: set[str] = set()
+        self._gone: set[str] = set()
 
     def start(self, parent: Any) -> None:
         from celery_explicit.task import ExplicitTask
@@ -127,9 +155,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
             return
         interval = max(0.2, min(10.0, min(leases) * HEARTBEAT_FRACTION))
         if getattr(parent.connection.transport, "driver_type", "") == "redis":
-            # Script objects run on the client passed at call time; never on
-            # channel.client itself, whose connection may be blocked in BRPOP.
-            self._script = parent.connection.default_channel.client.register_script(EXTEND)
+            self._redis_broker = True
             self._first_tref = parent.timer.call_repeatedly(
                 FIRST_LEASE_INTERVAL, self.first_leases, (parent,)
             )
@@ -143,40 +169,46 @@ class LeaseKeeper(bootsteps.StartStopStep):
 
     def tick(self, parent: Any) -> None:
         """The heartbeat: every held message's lease, and every execution lease."""
-        from celery.worker import state
-
-        reserved = list(state.reserved_requests)
-        self._extend_execution_leases(reserved)
-        if self._script is None:
-            return  # not the Redis transport: the broker has no visibility timeout
-        self._lease_messages(parent, reserved, prune=True)
+        held = held_requests()
+        self._extend_execution_leases(held)
+        if not self._redis_broker:
+            return  # the broker has no visibility timeout
+        tags = {request.message.delivery_tag for request in held}
+        self._leased &= tags
+        self._gone &= tags
+        self._lease_messages(parent, held)
 
     def first_leases(self, parent: Any) -> None:
         """Between heartbeats: a first lease for each message received since the last."""
-        from celery.worker import state
-
         from celery_explicit.task import ExplicitTask
 
         new = [
             request
-            for request in state.reserved_requests
+            for request in held_requests()
             if isinstance(request.task, ExplicitTask)
             and request.message.delivery_tag not in self._leased
+            and request.message.delivery_tag not in self._gone
         ]
         if new:
-            self._lease_messages(parent, new, prune=False)
+            self._lease_messages(parent, new)
 
-    def _lease_messages(self, parent: Any, reserved: list[Any], *, prune: bool) -> None:
+    def _lease_messages(self, parent: Any, held: list[Any]) -> None:
+        import redis
+
         channel = parent.connection.default_channel
         try:
             # A pooled connection, never channel.client's own: that one may be blocked
             # in BRPOP, and a reply read by the wrong reader stops the worker.
             with channel.conn_or_acquire() as client:
-                self._extend_all(channel, client, reserved, prune=prune)
+                self._extend_all(channel, client, held)
         except channel.connection_errors:
             logger.warning("could not extend leases: broker connection lost")
+        except redis.RedisError as exc:
+            # Out of memory, read-only after a failover: the leases run out unless a
+            # later look or heartbeat succeeds. Never an error out of the consumer's timer.
+            logger.warning("could not extend leases: %s", exc)
 
-    def _extend_execution_leases(self, reserved: list[Any]) -> None:
+    def _extend_execution_leases(self, held: list[Any]) -> None:
         """Extend the execution lease of each live, running handler (any broker)."""
         import redis
 
@@ -186,7 +218,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
         if not execution_lease.enabled() or os.environ.get(EXTEND_ENV) == "0":
             return
         leases = []
-        for request in reserved:
+        for request in held:
             pid = request.worker_pid
             if not isinstance(request.task, ExplicitTask) or not pid:
                 continue  # not started in a pool child yet: it holds no lease
@@ -199,28 +231,26 @@ class LeaseKeeper(bootsteps.StartStopStep):
         except redis.RedisError:
             logger.warning("could not extend execution leases: Redis unavailable")
 
-    def _extend_all(self, channel: Any, client: Any, reserved: list[Any], *, prune: bool) -> None:
-        """Move the lease of each message in ``reserved``, in one pipeline.
+    def _extend_all(self, channel: Any, client: Any, held: list[Any]) -> None:
+        """Move the lease of each message in ``held``: one round trip for all of them.
 
-        ``prune``: ``reserved`` is every message this worker holds, so forget the
-        messages that are gone (acked) from the set of those leased.
+        The script goes by its hash (``EVALSHA`` in a plain pipeline: a pipeline given a
+        Script object first asks the server ``SCRIPT EXISTS``, a second round trip);
+        where the server does not have it yet, it is loaded and the pipeline sent again.
         """
         from celery_explicit.task import ExplicitTask
 
         backstop = float(channel.visibility_timeout)
         now = time.time()
         extend = os.environ.get(EXTEND_ENV) != "0"
-        held = set()
-        pipe = client.pipeline(transaction=False)
-        sent: list[tuple[Any, str]] = []
-        for request in reserved:
+        calls: list[tuple[Any, str, list[Any]]] = []
+        for request in held:
             task = request.task
             if not isinstance(task, ExplicitTask):
                 continue
             # Keyed by delivery: a deferral or a retry is a new message with the same
             # task id, and must get its own lease.
             tag = request.message.delivery_tag
-            held.add(tag)
             if not extend and tag in self._leased:
                 continue  # switched off: each message gets its lease once, never more
             pid = request.worker_pid
@@ -233,25 +263,44 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 # Give it its own lease once; it runs out T from now.
             lease = task.contract.visibility_timeout
             deadline = now + lease
-            self._script(
-                keys=[channel.unacked_index_key, lease_key(request.id)],
-                args=[
-                    request.message.delivery_tag,
-                    deadline - backstop,
-                    int(lease * 1000),
-                    f"{self._host}:{pid or os.getpid()}",
-                    int(deadline * 1000),
-                ],
-                client=pipe,
-            )
-            sent.append((task, tag))
-        if sent:
-            for (task, tag), moved in zip(sent, pipe.execute(), strict=True):
-                if moved:
-                    self._leased.add(tag)
-                    metrics.lease_extensions.labels(task.name).inc()
-        if prune:
-            self._leased &= held
+            args = [
+                channel.unacked_index_key,
+                lease_key(request.id),
+                tag,
+                deadline - backstop,
+                int(lease * 1000),
+                f"{self._host}:{pid or os.getpid()}",
+                int(deadline * 1000),
+            ]
+            calls.append((task, tag, args))
+        if not calls:
+            return
+        replies = _run_extends(client, [args for _task, _tag, args in calls])
+        for (task, tag, _args), moved in zip(calls, replies, strict=True):
+            if moved:
+                self._leased.add(tag)
+                metrics.lease_extensions.labels(task.name).inc()
+            else:
+                self._gone.add(tag)
+
+
+def _run_extends(client: Any, calls: list[list[Any]]) -> list[Any]:
+    """``EXTEND`` once per argument list, in one pipeline; loads the script if missing."""
+    import redis
+
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=False)
+        for args in calls:
+            pipe.evalsha(_EXTEND_SHA, 2, *args)
+        replies = pipe.execute(raise_on_error=False)
+        if not any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
+            break
+        if attempt == 0:
+            client.script_load(EXTEND)
+    errors = [r for r in replies if isinstance(r, Exception)]
+    if errors:
+        raise errors[0]
+    return list(replies)
 
 
 @dataclass(frozen=True)

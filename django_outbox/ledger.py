@@ -55,8 +55,8 @@ _CLAIM_SQL = (
 )
 # Read when the claim lost: a plain statement after the claim, so it takes a new
 # snapshot and sees the row of a concurrent claimant the claim waited for. (A CTE that
-# claimed or read in one statement was tried: PostgreSQL took 120-180 us more to plan
-# it than the bare INSERT, on every first run; bench/p2_ceiling.py.)
+# claimed or read in one statement was shipped until 2026-11-30: a transaction with it
+# took PostgreSQL about 190 us longer, on every first run; bench/p2_ceiling.py.)
 _EXISTING_SQL = f"SELECT fingerprint, result_ref FROM {_table} WHERE key = %s"
 _RESULT_SQL = f"UPDATE {_table} SET result_ref = %s WHERE key = %s"
 
@@ -104,15 +104,25 @@ def effect(
         if trips is not None:
             won = trips.begin_and_claim(_CLAIM_SQL, params)
         else:
+            won = _claim(connection, params)
+        stored: Sequence[Any] | None = None
+        for _ in range(3):
+            if won:
+                break
             with connection.cursor() as cursor:
-                cursor.execute(_CLAIM_SQL, params)
-                won = cursor.fetchone() is not None
+                cursor.execute(_EXISTING_SQL, [key])
+                stored = cursor.fetchone()
+            if stored is not None:
+                break
+            # The row was deleted between the claim and the read (a prune of old ledger
+            # rows): nothing holds the key now, so claim it again.
+            won = _claim(connection, params)
         if won:
             claimed = Effect(key=key, fingerprint=fingerprint, done=False)
         else:
-            with connection.cursor() as cursor:
-                cursor.execute(_EXISTING_SQL, [key])
-                stored_fingerprint, result_ref = cursor.fetchone()
+            if stored is None:
+                raise DatabaseError(f"effect {key!r}: the ledger row kept vanishing")
+            stored_fingerprint, result_ref = stored
             if stored_fingerprint != fingerprint:
                 raise IdempotencyConflict(
                     key, stored_fingerprint=stored_fingerprint, fingerprint=fingerprint
@@ -156,6 +166,12 @@ def effect(
                     newer_row = cursor.fetchone()
                     if newer_row is not None:
                         raise _stale(task_id, key, fence, int(newer_row[0]))
+
+
+def _claim(connection: Any, params: list[Any]) -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute(_CLAIM_SQL, params)
+        return cursor.fetchone() is not None
 
 
 def _stale(task_id: str, key: str, fence: int | None, newer: int) -> LeaseLost:

@@ -43,8 +43,10 @@ def noop(row_id: int, op_id: str) -> None:
 
 # --- the floor: what the contract must send, with none of our Python around it -------
 # One SET NX PX and one DEL (the execution lease's two round trips), BEGIN + the ledger
-# claim in one string, the same ORM update, the attempt row + COMMIT in one string: the
-# statements ExplicitUpdate's job sends, built by hand. P1 against this task says how
+# claim in one string, the same ORM update, the attempt row + the fence check + COMMIT
+# in one string: the statements ExplicitUpdate's job sends, built by hand. Not sent: the
+# message's visibility lease (the worker's main process, about 0.2 scripts a job), and
+# the fence counter's INCR inside the lease's acquire. P1 against this task says how
 # much of the gap is PostgreSQL's and Redis's work, which no code of ours can remove.
 # EXPLICIT_EXECUTION_LEASE=0 drops the two Redis round trips here as it drops the lease.
 _floor_redis: Any = None
@@ -83,8 +85,13 @@ def floor_update(row_id: int, op_id: str) -> None:
         claimed = raw.pgconn.exec_(f"BEGIN; {claim}".encode())
         assert claimed.ntuples == 1, claimed.error_message  # a fresh key: the claim won
         Row.objects.filter(id=row_id).update(value=F("value") + 1)
-        attempt = sql.SQL(_ATTEMPT_SQL).format(op=op_id, key=key).as_string(raw)
-        committed = raw.pgconn.exec_(f"{attempt}; COMMIT".encode())
+        last = [sql.SQL(_ATTEMPT_SQL).format(op=op_id, key=key).as_string(raw)]
+        if leased:
+            # The fence check effect() sends with the attempt row when the job holds
+            # an execution lease.
+            fence = sql.SQL(ledger._FENCE_CHECK_SQL.replace("%s", "{}")).format(op_id, 1)
+            last.append(fence.as_string(raw))
+        committed = raw.pgconn.exec_("; ".join([*last, "COMMIT"]).encode())
         assert committed.command_status == b"COMMIT", committed.error_message
     if leased:
         _floor_redis.delete(lease)

@@ -26,7 +26,7 @@ from celery.worker import state
 from django.conf import settings
 from kombu import Connection, Queue
 
-from celery_explicit.lease import EXTEND, LeaseKeeper, lease_key
+from celery_explicit.lease import LeaseKeeper, lease_key
 from tests.testapp.tasks import SlowShip
 
 BACKSTOP = 60.0  # the global visibility timeout of this test's channel
@@ -51,14 +51,18 @@ def held(redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> Iterator
         assert message is not None
         request = SimpleNamespace(task=SlowShip(), message=message, worker_pid=os.getpid(),
                                   id=f"job-{suffix}")
-        monkeypatch.setattr(state, "reserved_requests", [request])
+        reserved = [request]
+        monkeypatch.setattr(state, "reserved_requests", reserved)
+        monkeypatch.setattr(state, "scheduled_requests", [])
         keeper = LeaseKeeper(SimpleNamespace())
-        keeper._script = channel.client.register_script(EXTEND)
+        keeper._redis_broker = True  # what start() finds on a Redis transport
         yield SimpleNamespace(keeper=keeper, parent=SimpleNamespace(connection=connection),
                               request=request, index=options["unacked_index_key"],
-                              tag=message.delivery_tag)
-        message.ack()
-        redis_client.delete(queue.name, lease_key(request.id), *options.values())
+                              tag=message.delivery_tag, message=message, reserved=reserved)
+        if not message.acknowledged:
+            message.ack()
+        keys = [v for v in options.values() if isinstance(v, str)]
+        redis_client.delete(queue.name, lease_key(request.id), *keys)
 
 
 def test_a_new_message_gets_its_lease_at_the_first_look(held, redis_client) -> None:
@@ -83,3 +87,43 @@ def test_a_leased_message_is_left_to_the_heartbeat(held, redis_client) -> None:
     held.keeper.tick(held.parent)  # the heartbeat extends every held message
     assert redis_client.hget(lease_key(held.request.id), "extensions") == b"2"
 
+
+
+def test_a_message_acked_before_the_look_is_not_leased_nor_looked_at_again(
+        held, redis_client, monkeypatch) -> None:
+    held.message.ack()  # the job ended between the listing and the lease
+    held.keeper.first_leases(held.parent)
+    assert not redis_client.exists(lease_key(held.request.id))
+    # Remembered as gone: the next looks send nothing for it (it would otherwise be
+    # sent again ten times a second for as long as Celery lists the request).
+    sent: list[object] = []
+    monkeypatch.setattr(redis.client.Pipeline, "execute",
+                        lambda self, *a, **k: sent.append(self) or [])
+    held.keeper.first_leases(held.parent)
+    assert sent == []
+
+
+def test_an_old_delivery_never_deletes_the_record_of_a_newer_one(held, redis_client) -> None:
+    # A retry of the same job is a newer delivery with the same task id: its lease
+    # record must survive the old delivery's last look.
+    record = lease_key(held.request.id)
+    redis_client.hset(record, mapping={"tag": "newer-delivery", "extensions": 3})
+    held.message.ack()
+    held.keeper.first_leases(held.parent)
+    assert redis_client.hget(record, "tag") == b"newer-delivery"
+
+
+def test_other_tasks_messages_are_left_alone(held, redis_client) -> None:
+    held.request.task = object()  # a plain Celery task's request: no lease of ours
+    held.keeper.first_leases(held.parent)
+    assert not redis_client.exists(lease_key(held.request.id))
+    assert abs(redis_client.zscore(held.index, held.tag) - time.time()) < 5  # kombu's
+
+
+def test_a_scheduled_message_gets_its_lease_too(held, redis_client, monkeypatch) -> None:
+    # A retry with a countdown waits in the worker's memory until its time; if the
+    # worker dies meanwhile, its message must come back within its lease too.
+    held.reserved.clear()
+    monkeypatch.setattr(state, "scheduled_requests", [held.request])
+    held.keeper.first_leases(held.parent)
+    assert redis_client.hget(lease_key(held.request.id), "extensions") == b"1"

@@ -186,3 +186,23 @@ def test_before_commit_statements_commit_with_the_effect() -> None:
     assert row.outcome == Outcome.APPLIED
     assert row.started_at == now
     assert ProcessedOperation.objects.get(key="k9").result_ref == "r9"
+
+
+def test_a_row_deleted_between_the_lost_claim_and_the_read_is_claimed_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prune of old ledger rows can delete the row a claim lost to before the claim
+    reads it: nothing holds the key any more, so the effect claims it again and runs."""
+    with claim("k9", fingerprint="old") as eff:
+        assert not eff.done
+    table = ProcessedOperation._meta.db_table
+    # The read deletes the row (as a prune between the two statements would have) and
+    # reads nothing.
+    monkeypatch.setattr(ledger, "_EXISTING_SQL",
+                        f"WITH pruned AS (DELETE FROM {table} WHERE key = %s) "
+                        f"SELECT fingerprint, result_ref FROM {table} WHERE false")
+    with claim("k9", fingerprint="new") as eff:
+        assert not eff.done  # claimed again, not a conflict with the pruned row
+        eff.result_ref = "second"
+    row = ProcessedOperation.objects.get(key="k9")
+    assert (row.fingerprint, row.result_ref) == ("new", "second")
+    connection.close()
