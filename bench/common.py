@@ -42,6 +42,18 @@ def vacuum() -> None:
         cursor.execute("VACUUM ANALYZE")
 
 
+def reset_rows() -> None:
+    """The 100 rows the benchmarks update, at zero; no ledger or attempt rows; vacuumed."""
+    from bench.benchapp.models import Row
+    from django_outbox.models import Attempt, ProcessedOperation
+
+    Row.objects.all().delete()
+    ProcessedOperation.objects.all().delete()
+    Attempt.objects.all().delete()
+    Row.objects.bulk_create(Row(id=i) for i in range(100))
+    vacuum()
+
+
 def summary(name: str, rates: list[float]) -> str:
     return (f"{name:<34} median {statistics.median(rates):9.1f}/s   "
             f"min {min(rates):9.1f}/s   max {max(rates):9.1f}/s   (n={len(rates)})")

@@ -17,7 +17,7 @@ import sys
 import time
 import uuid
 
-from common import DB_NAME, ROOT, setup_django, summary, vacuum
+from common import DB_NAME, ROOT, reset_rows, setup_django, summary
 
 
 def main() -> None:
@@ -37,13 +37,8 @@ def main() -> None:
     from bench.benchapp.models import Row
     from bench.benchapp.tasks import ExplicitUpdate, floor_update, plain_update
     from bench.celery_app import app
-    from django_outbox.models import Attempt, ProcessedOperation
 
-    Row.objects.all().delete()
-    ProcessedOperation.objects.all().delete()
-    Attempt.objects.all().delete()
-    Row.objects.bulk_create(Row(id=i) for i in range(100))
-    vacuum()
+    reset_rows()
 
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings",
            "EXPLICIT_TEST_DB_NAME": DB_NAME, "PYTHONPATH": str(ROOT)}

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from common import setup_django, vacuum
+from common import reset_rows, setup_django
 
 
 def main() -> None:
@@ -34,10 +34,7 @@ def main() -> None:
     from django_outbox import ledger
     from django_outbox.models import ProcessedOperation
 
-    Row.objects.all().delete()
-    ProcessedOperation.objects.all().delete()
-    Row.objects.bulk_create(Row(id=i) for i in range(100))
-    vacuum()
+    reset_rows()
     connection.ensure_connection()
     raw = connection.connection
     raw.autocommit = True

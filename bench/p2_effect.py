@@ -12,7 +12,7 @@ import argparse
 import time
 import uuid
 
-from common import setup_django, summary, vacuum
+from common import reset_rows, setup_django, summary
 
 
 def main() -> None:
@@ -27,12 +27,8 @@ def main() -> None:
 
     from bench.benchapp.models import Row
     from django_outbox import ledger
-    from django_outbox.models import ProcessedOperation
 
-    Row.objects.all().delete()
-    ProcessedOperation.objects.all().delete()
-    Row.objects.bulk_create(Row(id=i) for i in range(100))
-    vacuum()
+    reset_rows()
 
     def bare(keys: list[str]) -> float:
         start = time.perf_counter()

@@ -183,11 +183,8 @@ def extend_all(client: Any, leases: list[tuple[str, str, float]]) -> int:
     """Extend ``(task_id, owner, ttl)`` leases in one pipeline; return how many moved."""
     if not leases:
         return 0
-    script = redis_state.script(client, EXTEND)
-    pipe = client.pipeline(transaction=False)
-    for task_id, holder, ttl in leases:
-        script(keys=[lease_key(task_id)], args=[holder, int(ttl * 1000)], client=pipe)
-    return sum(int(moved) for moved in pipe.execute())
+    calls = [[1, lease_key(task_id), holder, int(ttl * 1000)] for task_id, holder, ttl in leases]
+    return sum(int(moved) for moved in redis_state.run_pipelined(client, EXTEND, calls))
 
 
 def record_takeover(task_id: str, key: str, fence: int, previous: str) -> None:

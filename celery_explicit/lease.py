@@ -40,7 +40,6 @@ delivery of a job from running while the first is alive.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import socket
@@ -50,7 +49,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from celery_explicit import metrics
+from celery_explicit import metrics, redis_state
 from celery_explicit.redis_state import PREFIX, text
 
 logger = logging.getLogger("celery_explicit.lease")
@@ -87,7 +86,6 @@ redis.call('hincrby', KEYS[2], 'extensions', 1)
 redis.call('pexpire', KEYS[2], ARGV[3])
 return 1
 """
-_EXTEND_SHA = hashlib.sha1(EXTEND.encode()).hexdigest()
 
 
 def lease_key(task_id: str, *, prefix: str = PREFIX) -> str:
@@ -232,12 +230,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
             logger.warning("could not extend execution leases: Redis unavailable")
 
     def _extend_all(self, channel: Any, client: Any, held: list[Any]) -> None:
-        """Move the lease of each message in ``held``: one round trip for all of them.
-
-        The script goes by its hash (``EVALSHA`` in a plain pipeline: a pipeline given a
-        Script object first asks the server ``SCRIPT EXISTS``, a second round trip);
-        where the server does not have it yet, it is loaded and the pipeline sent again.
-        """
+        """Move the lease of each message in ``held``: one round trip for all of them."""
         from celery_explicit.task import ExplicitTask
 
         backstop = float(channel.visibility_timeout)
@@ -264,6 +257,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
             lease = task.contract.visibility_timeout
             deadline = now + lease
             args = [
+                2,
                 channel.unacked_index_key,
                 lease_key(request.id),
                 tag,
@@ -275,32 +269,13 @@ class LeaseKeeper(bootsteps.StartStopStep):
             calls.append((task, tag, args))
         if not calls:
             return
-        replies = _run_extends(client, [args for _task, _tag, args in calls])
+        replies = redis_state.run_pipelined(client, EXTEND, [args for _task, _tag, args in calls])
         for (task, tag, _args), moved in zip(calls, replies, strict=True):
             if moved:
                 self._leased.add(tag)
                 metrics.lease_extensions.labels(task.name).inc()
             else:
                 self._gone.add(tag)
-
-
-def _run_extends(client: Any, calls: list[list[Any]]) -> list[Any]:
-    """``EXTEND`` once per argument list, in one pipeline; loads the script if missing."""
-    import redis
-
-    for attempt in range(2):
-        pipe = client.pipeline(transaction=False)
-        for args in calls:
-            pipe.evalsha(_EXTEND_SHA, 2, *args)
-        replies = pipe.execute(raise_on_error=False)
-        if not any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
-            break
-        if attempt == 0:
-            client.script_load(EXTEND)
-    errors = [r for r in replies if isinstance(r, Exception)]
-    if errors:
-        raise errors[0]
-    return list(replies)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 PREFIX = "explicit:"
@@ -56,6 +56,31 @@ def script(conn: Any, source: str) -> Any:
         with _clients_lock:
             _scripts.setdefault(conn, {})[source] = registered
         return registered
+
+
+def run_pipelined(conn: Any, source: str, calls: Sequence[Sequence[Any]]) -> list[Any]:
+    """The script ``source`` once per ``keys + args`` list in ``calls``, in one round trip.
+
+    By its hash (``EVALSHA``) in a plain pipeline: a pipeline handed a redis-py Script
+    object first asks the server ``SCRIPT EXISTS``, a second round trip every time.
+    Where the server does not have the script yet, it is loaded and the pipeline sent
+    again. Each entry of ``calls`` is ``(number of keys, *keys, *args)``.
+    """
+    import redis
+
+    sha = script(conn, source).sha
+    for attempt in range(2):
+        pipe = conn.pipeline(transaction=False)
+        for call in calls:
+            pipe.evalsha(sha, *call)
+        replies = pipe.execute(raise_on_error=False)
+        if attempt or not any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
+            break
+        conn.script_load(source)
+    errors = [r for r in replies if isinstance(r, Exception)]
+    if errors:
+        raise errors[0]
+    return list(replies)
 
 
 def live_strings(client: Any, head: str) -> Iterator[tuple[str, str, int]]:

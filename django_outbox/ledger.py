@@ -105,23 +105,10 @@ def effect(
             won = trips.begin_and_claim(_CLAIM_SQL, params)
         else:
             won = _claim(connection, params)
-        stored: Sequence[Any] | None = None
-        for _ in range(3):
-            if won:
-                break
-            with connection.cursor() as cursor:
-                cursor.execute(_EXISTING_SQL, [key])
-                stored = cursor.fetchone()
-            if stored is not None:
-                break
-            # The row was deleted between the claim and the read (a prune of old ledger
-            # rows): nothing holds the key now, so claim it again.
-            won = _claim(connection, params)
-        if won:
+        stored = None if won else _stored_or_claim(connection, params)
+        if stored is None:
             claimed = Effect(key=key, fingerprint=fingerprint, done=False)
         else:
-            if stored is None:
-                raise DatabaseError(f"effect {key!r}: the ledger row kept vanishing")
             stored_fingerprint, result_ref = stored
             if stored_fingerprint != fingerprint:
                 raise IdempotencyConflict(
@@ -172,6 +159,22 @@ def _claim(connection: Any, params: list[Any]) -> bool:
     with connection.cursor() as cursor:
         cursor.execute(_CLAIM_SQL, params)
         return cursor.fetchone() is not None
+
+
+def _stored_or_claim(connection: Any, params: list[Any]) -> Sequence[Any] | None:
+    """After a lost claim: the stored ``(fingerprint, result_ref)`` of the key, or None
+    when the row was deleted before the read (a prune of old ledger rows) and this
+    transaction has claimed the key after all."""
+    key = params[0]
+    for _ in range(3):
+        with connection.cursor() as cursor:
+            cursor.execute(_EXISTING_SQL, [key])
+            stored = cursor.fetchone()
+        if stored is not None:
+            return stored  # type: ignore[no-any-return]
+        if _claim(connection, params):
+            return None
+    raise DatabaseError(f"effect {key!r}: the ledger row kept vanishing")
 
 
 def _stale(task_id: str, key: str, fence: int | None, newer: int) -> LeaseLost:

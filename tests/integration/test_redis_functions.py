@@ -131,3 +131,27 @@ def test_without_functions_the_same_lua_runs_as_scripts(
     assert second == first + 1
     assert calls(redis_client, "fcall") - fcalls == 0
     assert calls(redis_client, "evalsha") - evals == 5
+
+
+def test_pipelined_scripts_cost_one_round_trip_and_load_where_missing(redis_client) -> None:
+    """``redis_state.run_pipelined`` (the leases' heartbeat): EVALSHA for each call, and
+    no ``SCRIPT EXISTS`` before it, which a pipeline handed a Script object would send."""
+    from celery_explicit import redis_state
+
+    source = "return redis.call('incrby', KEYS[1], ARGV[1])"
+    increments = [[1, "explicit-test:counter", 2], [1, "explicit-test:counter", 3]]
+    before = {c: (calls(redis_client, c), failed(redis_client, c))
+              for c in ("evalsha", "script|load", "script|exists")}
+
+    def delta(command: str) -> tuple[int, int]:
+        done, refused = before[command]
+        return calls(redis_client, command) - done, failed(redis_client, command) - refused
+
+    # The server has not seen this script: the first pipeline finds it missing (two
+    # NOSCRIPT replies), loads it once and sends the pipeline again.
+    assert redis_state.run_pipelined(redis_client, source, increments) == [2, 5]
+    assert delta("evalsha") == (2, 2)
+    assert redis_state.run_pipelined(redis_client, source, increments) == [7, 10]
+    assert delta("evalsha") == (4, 2)
+    assert delta("script|load") == (1, 0)
+    assert delta("script|exists") == (0, 0)
