@@ -8,7 +8,7 @@ demo:
 	./scripts/demo
 
 lint:
-	.venv/bin/ruff check . && .venv/bin/ruff format --check celery_explicit django_outbox && .venv/bin/mypy
+	.venv/bin/ruff check . && .venv/bin/ruff format --check celery_explicit django_outbox tests bench example_project && .venv/bin/mypy && .venv/bin/lint-imports
 
 bench: bench-p1 bench-p2 bench-p3 bench-p4 bench-p5 bench-lag
 

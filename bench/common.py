@@ -16,8 +16,9 @@ def setup_django() -> None:
     os.environ["EXPLICIT_TEST_DB_NAME"] = DB_NAME
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
     sys.path.insert(0, str(ROOT))
-    subprocess.run(["createdb", "-h", "127.0.0.1", "-U", "postgres", DB_NAME],
-                   capture_output=True, check=False)
+    subprocess.run(
+        ["createdb", "-h", "127.0.0.1", "-U", "postgres", DB_NAME], capture_output=True, check=False
+    )
     import django
 
     django.setup()
@@ -55,5 +56,7 @@ def reset_rows() -> None:
 
 
 def summary(name: str, rates: list[float]) -> str:
-    return (f"{name:<34} median {statistics.median(rates):9.1f}/s   "
-            f"min {min(rates):9.1f}/s   max {max(rates):9.1f}/s   (n={len(rates)})")
+    return (
+        f"{name:<34} median {statistics.median(rates):9.1f}/s   "
+        f"min {min(rates):9.1f}/s   max {max(rates):9.1f}/s   (n={len(rates)})"
+    )

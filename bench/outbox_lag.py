@@ -42,8 +42,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--writers", type=int, default=2, help="writer processes")
     parser.add_argument("--batch-size", type=int, default=100)
-    parser.add_argument("--per-transaction", type=int, default=1,
-                        help="events each writer transaction commits together")
+    parser.add_argument(
+        "--per-transaction",
+        type=int,
+        default=1,
+        help="events each writer transaction commits together",
+    )
     args = parser.parse_args()
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     os.environ["EXPLICIT_BENCH_QUEUE"] = queue
@@ -61,11 +65,20 @@ def main() -> None:
     vacuum()
     broker = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)
     broker.delete(queue)
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings",
-           "EXPLICIT_TEST_DB_NAME": DB_NAME, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "bench.settings",
+        "EXPLICIT_TEST_DB_NAME": DB_NAME,
+        "PYTHONPATH": str(ROOT),
+    }
     relay = subprocess.Popen(
         [sys.executable, "-m", "django", "outbox_relay", "--batch-size", str(args.batch_size)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert relay.stdout is not None
     ready = relay.stdout.readline()
     assert "ready" in ready, ready
@@ -98,9 +111,10 @@ def main() -> None:
             if delay > 0:
                 time.sleep(delay)
             with transaction.atomic():
-                ids = [dispatch(task, kwargs={"row_id": i % 100, "op_id": f"lag{i}"},
-                                durable=True)
-                       for i in range(first, min(first + group, total))]
+                ids = [
+                    dispatch(task, kwargs={"row_id": i % 100, "op_id": f"lag{i}"}, durable=True)
+                    for i in range(first, min(first + group, total))
+                ]
             now = time.time()
             stamps.update((event_id, now) for event_id in ids)
         connection.close()
@@ -131,13 +145,17 @@ def main() -> None:
     OutboxEvent.objects.all().delete()
 
     lags = [(arrived[k] - committed[k]) * 1000 for k in committed if k in arrived]
-    print(f"outbox lag: {total} events written in {wrote:.1f}s "
-          f"({total / wrote:.0f} events/s by {args.writers} writers, "
-          f"{args.per_transaction} per transaction), "
-          f"{len(lags)} arrived")
-    print(f"commit -> broker: p50 {percentile(lags, 50):.1f} ms   p90 {percentile(lags, 90):.1f} ms"
-          f"   p99 {percentile(lags, 99):.1f} ms   max {max(lags):.1f} ms   "
-          f"mean {statistics.mean(lags):.1f} ms   (target p99 <= 50 ms)")
+    print(
+        f"outbox lag: {total} events written in {wrote:.1f}s "
+        f"({total / wrote:.0f} events/s by {args.writers} writers, "
+        f"{args.per_transaction} per transaction), "
+        f"{len(lags)} arrived"
+    )
+    print(
+        f"commit -> broker: p50 {percentile(lags, 50):.1f} ms   p90 {percentile(lags, 90):.1f} ms"
+        f"   p99 {percentile(lags, 99):.1f} ms   max {max(lags):.1f} ms   "
+        f"mean {statistics.mean(lags):.1f} ms   (target p99 <= 50 ms)"
+    )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tasks", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--floor", action="store_true",
-                        help="also run bench.floor_update: the contract's statements "
-                             "by hand, with none of our Python (bench/benchapp/tasks.py)")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run bench.floor_update: the contract's statements "
+        "by hand, with none of our Python (bench/benchapp/tasks.py)",
+    )
     args = parser.parse_args()
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     os.environ["EXPLICIT_BENCH_QUEUE"] = queue
@@ -40,14 +43,38 @@ def main() -> None:
 
     reset_rows()
 
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings",
-           "EXPLICIT_TEST_DB_NAME": DB_NAME, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "bench.settings",
+        "EXPLICIT_TEST_DB_NAME": DB_NAME,
+        "PYTHONPATH": str(ROOT),
+    }
     log = open(os.devnull, "w")  # noqa: SIM115
     worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "bench.celery_app", "worker", "-Q", queue,
-         "-c", "2", "-P", "prefork", "--without-gossip", "--without-mingle",
-         "--without-heartbeat", "-l", "WARNING"], cwd=ROOT, env=env, stdout=log,
-        stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "bench.celery_app",
+            "worker",
+            "-Q",
+            queue,
+            "-c",
+            "2",
+            "-P",
+            "prefork",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-l",
+            "WARNING",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     time.sleep(4)  # WARNING level prints no "ready": give it time to start
 
     def total() -> int:
@@ -58,8 +85,7 @@ def main() -> None:
         start = time.perf_counter()
         with app.producer_or_acquire() as producer:
             for i in range(n):
-                task.apply_async(args=[i % 100, uuid.uuid4().hex], queue=queue,
-                                 producer=producer)
+                task.apply_async(args=[i % 100, uuid.uuid4().hex], queue=queue, producer=producer)
         while total() < target:
             time.sleep(0.01)
         return n / (time.perf_counter() - start)
@@ -84,13 +110,17 @@ def main() -> None:
     print(summary("plain acks_late task", plain))
     print(summary("ExplicitTask (effect + attempt)", explicit))
     ratios = [e / p for e, p in zip(explicit, plain, strict=True)]
-    print(f"P1 ratio per round: {', '.join(f'{r:.3f}' for r in ratios)}  -> median "
-          f"{sorted(ratios)[len(ratios) // 2]:.3f} (target >= 0.90)")
+    print(
+        f"P1 ratio per round: {', '.join(f'{r:.3f}' for r in ratios)}  -> median "
+        f"{sorted(ratios)[len(ratios) // 2]:.3f} (target >= 0.90)"
+    )
     if args.floor:
         print(summary("floor (the statements by hand)", floor))
         floors = [f / p for f, p in zip(floor, plain, strict=True)]
-        print(f"floor / plain per round: {', '.join(f'{r:.3f}' for r in floors)}  -> "
-              f"median {sorted(floors)[len(floors) // 2]:.3f} (the best P1 could be)")
+        print(
+            f"floor / plain per round: {', '.join(f'{r:.3f}' for r in floors)}  -> "
+            f"median {sorted(floors)[len(floors) // 2]:.3f} (the best P1 could be)"
+        )
 
 
 if __name__ == "__main__":

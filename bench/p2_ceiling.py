@@ -45,8 +45,7 @@ def main() -> None:
 
     def run(query: str) -> psycopg.pq.abc.PGresult:
         result = pg.exec_(query.encode())
-        if result.status not in (psycopg.pq.ExecStatus.COMMAND_OK,
-                                 psycopg.pq.ExecStatus.TUPLES_OK):
+        if result.status not in (psycopg.pq.ExecStatus.COMMAND_OK, psycopg.pq.ExecStatus.TUPLES_OK):
             raise RuntimeError(result.error_message.decode())
         return result
 
@@ -67,6 +66,7 @@ def main() -> None:
 
     def with_claim(sql: str, result_ref: str | None) -> Callable[[list[str]], None]:
         """``result_ref``: None, or the statement that stores it."""
+
         def loop(keys: list[str]) -> None:
             for i, key in enumerate(keys):
                 run("BEGIN; " + claim(sql, key))
@@ -75,6 +75,7 @@ def main() -> None:
                 if result_ref is not None:
                     last = quote(result_ref, [key, key]) + "; "
                 run(last + "COMMIT")
+
         return loop
 
     # The claim as it was shipped until 2026-11-30: claim, or read the row already
@@ -87,8 +88,7 @@ def main() -> None:
     variants: dict[str, Callable[[list[str]], None]] = {
         "bare: BEGIN, update, COMMIT": bare,
         "ledger, claim or read (CTE, before)": with_claim(CLAIM_OR_READ, ledger._RESULT_SQL),
-        "ledger, as shipped (result_ref set)": with_claim(ledger._CLAIM_SQL,
-                                                         ledger._RESULT_SQL),
+        "ledger, as shipped (result_ref set)": with_claim(ledger._CLAIM_SQL, ledger._RESULT_SQL),
         "ledger, result_ref left empty": with_claim(ledger._CLAIM_SQL, None),
     }
     for loop in variants.values():  # warm-up
@@ -97,7 +97,7 @@ def main() -> None:
     names = list(variants)
     for r in range(args.rounds):
         # A different variant goes first each round: the ledger table grows as they run.
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             loop = variants[name]
             keys = [f"c-{uuid.uuid4().hex}" for _ in range(args.ops)]
             start = time.perf_counter()

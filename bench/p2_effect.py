@@ -40,8 +40,7 @@ def main() -> None:
     def with_effect(keys: list[str]) -> float:
         start = time.perf_counter()
         for i, key in enumerate(keys):
-            with ledger.effect(key=key, fingerprint="f", task_name="bench",
-                               task_id=key) as eff:
+            with ledger.effect(key=key, fingerprint="f", task_name="bench", task_id=key) as eff:
                 if eff.done:
                     continue
                 Row.objects.filter(id=i % 100).update(value=F("value") + 1)
@@ -64,11 +63,15 @@ def main() -> None:
     print(summary("effect() duplicate hit", dup_rates))
     ratios = sorted(e / b for e, b in zip(effect_rates, bare_rates, strict=True))
     dup_cost = sorted(e / d for e, d in zip(effect_rates, dup_rates, strict=True))
-    print(f"P2 ratio effect/atomic per round: {', '.join(f'{r:.3f}' for r in ratios)}"
-          f"  -> median {ratios[len(ratios) // 2]:.3f} (target >= 0.93)")
-    print(f"duplicate-hit cost / first-run cost per round: "
-          f"{', '.join(f'{r:.3f}' for r in dup_cost)}"
-          f"  -> median {dup_cost[len(dup_cost) // 2]:.3f} (target <= 0.5)")
+    print(
+        f"P2 ratio effect/atomic per round: {', '.join(f'{r:.3f}' for r in ratios)}"
+        f"  -> median {ratios[len(ratios) // 2]:.3f} (target >= 0.93)"
+    )
+    print(
+        f"duplicate-hit cost / first-run cost per round: "
+        f"{', '.join(f'{r:.3f}' for r in dup_cost)}"
+        f"  -> median {dup_cost[len(dup_cost) // 2]:.3f} (target <= 0.5)"
+    )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def main() -> None:
     from bench.benchapp.tasks import ExplicitUpdate
     from bench.celery_app import app
     from django_outbox.models import OutboxEvent
-    from django_outbox.relay import Relay, resolve_celery_settings
+    from django_outbox.relay import Relay
 
     task = app.tasks[ExplicitUpdate.name]
     broker = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)
@@ -62,7 +62,6 @@ def main() -> None:
         fill()
         broker.delete(queue)
         relay = Relay(batch_size=batch_size, notify_channel="")
-        resolve_celery_settings(relay.app)  # as manage.py outbox_relay does
         start = time.perf_counter()
         result = relay.drain()
         elapsed = time.perf_counter() - start
@@ -76,7 +75,10 @@ def main() -> None:
         built = []
         for i in range(n):
             message = app.amqp.create_task_message(
-                str(uuid.uuid4()), task.name, (), {"row_id": i % 100, "op_id": uuid.uuid4().hex},
+                str(uuid.uuid4()),
+                task.name,
+                (),
+                {"row_id": i % 100, "op_id": uuid.uuid4().hex},
             )
             headers = {**message.headers, "idempotency_key": f"bench:{i}"}
             built.append((message.body, headers, message.properties))
@@ -93,12 +95,18 @@ def main() -> None:
             if batched:
                 with producer.batch(max_size=1000):
                     for body, headers, properties in prepared:
-                        producer.publish(body, routing_key=queue, serializer="json",
-                                         headers=headers, **properties)
+                        producer.publish(
+                            body,
+                            routing_key=queue,
+                            serializer="json",
+                            headers=headers,
+                            **properties,
+                        )
             else:
                 for body, headers, properties in prepared:
-                    producer.publish(body, routing_key=queue, serializer="json",
-                                     headers=headers, **properties)
+                    producer.publish(
+                        body, routing_key=queue, serializer="json", headers=headers, **properties
+                    )
             elapsed = time.perf_counter() - start
         assert broker.llen(queue) == n
         return n / elapsed
@@ -124,8 +132,10 @@ def main() -> None:
     raw_median = sorted(raw)[len(raw) // 2]
     for b, rates in relayed.items():
         median = sorted(rates)[len(rates) // 2]
-        print(summary(f"relay, batch size {b}", rates)
-              + f"   ratio vs raw loop {median / raw_median:.2f}")
+        print(
+            summary(f"relay, batch size {b}", rates)
+            + f"   ratio vs raw loop {median / raw_median:.2f}"
+        )
     print("target: relay / raw kombu loop >= 0.80")
 
 

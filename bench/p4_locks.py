@@ -65,21 +65,31 @@ def main() -> None:
 
     for fn in (ours_full, raw_three, ours_pair, theirs_pair):
         rate(fn, 300)  # warm-up: scripts loaded, connections open
-    results: dict[str, list[float]] = {k: [] for k in ("ours_full", "raw_three",
-                                                         "ours_pair", "theirs_pair")}
+    results: dict[str, list[float]] = {
+        k: [] for k in ("ours_full", "raw_three", "ours_pair", "theirs_pair")
+    }
     for _ in range(args.rounds):
-        for name, fn in (("ours_full", ours_full), ("raw_three", raw_three),
-                         ("ours_pair", ours_pair), ("theirs_pair", theirs_pair)):
+        for name, fn in (
+            ("ours_full", ours_full),
+            ("raw_three", raw_three),
+            ("ours_pair", ours_pair),
+            ("theirs_pair", theirs_pair),
+        ):
             results[name].append(rate(fn, args.ops))
     for name, rates in results.items():
-        print(f"{name:<12} median {statistics.median(rates):9.1f}/s  "
-              f"min {min(rates):9.1f}/s  max {max(rates):9.1f}/s")
+        print(
+            f"{name:<12} median {statistics.median(rates):9.1f}/s  "
+            f"min {min(rates):9.1f}/s  max {max(rates):9.1f}/s"
+        )
     full = [o / r for o, r in zip(results["ours_full"], results["raw_three"], strict=True)]
     pair = [o / t for o, t in zip(results["ours_pair"], results["theirs_pair"], strict=True)]
-    print(f"P4a acquire+extend+release / 3 raw round trips: median "
-          f"{statistics.median(full):.3f} (target >= 0.9)")
-    print(f"P4b acquire+release / redis-py Lock: median {statistics.median(pair):.3f} "
-          f"(target >= 1.0)")
+    print(
+        f"P4a acquire+extend+release / 3 raw round trips: median "
+        f"{statistics.median(full):.3f} (target >= 0.9)"
+    )
+    print(
+        f"P4b acquire+release / redis-py Lock: median {statistics.median(pair):.3f} (target >= 1.0)"
+    )
     keys = list(client.scan_iter(match=f"{prefix}*"))
     if keys:
         client.delete(*keys)

@@ -136,16 +136,22 @@ return {version, redis.call('get', ARGV[1] .. version)}
     for name, rates in results.items():
         print(f"{summary(name, rates)}   round trips/read {trips[name]:.2f}")
     plain_rates = results["plain cache.get (1 GET)"]
-    for name, target in ((names := list(sides))[0], " (target >= 0.9)"), (names[2], ""), \
-            (names[3], ""):
+    for name, target in (
+        ((names := list(sides))[0], " (target >= 0.9)"),
+        (names[2], ""),
+        (names[3], ""),
+    ):
         ratios = sorted(o / p for o, p in zip(results[name], plain_rates, strict=True))
         print(
             f"P5 {name} / plain cache.get per round: "
             f"{', '.join(f'{r:.3f}' for r in ratios)}  -> median "
             f"{statistics.median(ratios):.3f}{target}"
         )
-    keys = [key for kind in ("profile", "plain", "keyed")
-            for key in client.scan_iter(match=f"*p5_{kind}_{tag}:*")]
+    keys = [
+        key
+        for kind in ("profile", "plain", "keyed")
+        for key in client.scan_iter(match=f"*p5_{kind}_{tag}:*")
+    ]
     if keys:
         client.delete(*keys)
 

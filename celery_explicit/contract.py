@@ -11,15 +11,17 @@ tasks; ``manage.py check`` and worker start-up force that), never at 3 a.m.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from celery import Task
 
-from celery_explicit import idempotency
+from celery_explicit import declarations, idempotency
+from celery_explicit import dedup as dedup_mod
+from celery_explicit import ordering as ordering_mod
 from celery_explicit.downstream import Downstream
 from celery_explicit.errors import ContractError
 from celery_explicit.retry_policy import RetryPolicy, Unclassified
@@ -64,23 +66,34 @@ FIXED_CELERY_OPTIONS: Mapping[str, tuple[object, str]] = {
     "max_retries": (None, "attempts are counted by max_attempts: declare that instead"),
 }
 
-# Keys Celery itself puts in the class dict of a decorator-declared task.
-_CELERY_DECORATOR_KEYS = frozenset(
-    {
-        "app",
-        "name",
-        "run",
-        "_decorated",
-        "__doc__",
-        "__module__",
-        "__qualname__",
-        "__header__",
-        "__wrapped__",
-        "__annotations__",
-        "_decorated_fun",
-        "_dump_pydantic_arguments",
-    }
-)
+
+@functools.cache
+def celery_decorator_keys() -> frozenset[str]:
+    """The keys Celery's ``@app.task`` itself puts in a task's class dict, read off
+    Celery by declaring a throwaway task on a throwaway app.
+
+    ``Celery._task_from_fun`` builds the class with ``type(name, (base,), {...})``
+    (celery/app/base.py: https://github.com/celery/celery/blob/main/celery/app/base.py);
+    a copied list of those keys would refuse every decorator task the day upstream adds
+    one. Whatever is in the dict besides the decorator's own options is Celery's.
+    """
+    from celery import Celery
+
+    seen: dict[str, Any] = {}
+
+    class Probe(Task):  # type: ignore[type-arg]
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+            seen.update(cls.__dict__)
+
+    def probe() -> None:
+        return None
+
+    app = Celery("celery_explicit_probe", set_as_current=False)
+    app.task(base=Probe, name="celery_explicit.probe", lazy=False)(probe)
+    return frozenset(seen)
+
+
 _CELERY_TASK_ATTRS = frozenset(dir(Task))
 
 
@@ -99,7 +112,7 @@ class Contract:
     #: and again in the worker.
     signature: inspect.Signature
     #: Explicit dedup of a known message id inside a window (None: not declared).
-    dedup: Dedup | None = None
+    dedup: dedup_mod.Dedup | None = None
     #: Deliveries of one message (redeliveries included) before it is dead-lettered.
     max_deliveries: int = 5
     #: Seconds a run may take before it is stopped (None: no limit declared).
@@ -108,20 +121,7 @@ class Contract:
     downstream: Downstream | None = None
     #: Per-entity ordering: jobs with one rendered key run one at a time, in publish
     #: order (None: not declared).
-    ordering: Ordering | None = None
-
-
-@dataclass(frozen=True)
-class Dedup:
-    key: idempotency.KeyDeclaration
-    window: float
-
-
-@dataclass(frozen=True)
-class Ordering:
-    key: idempotency.KeyDeclaration
-    #: Seconds a job waits for a missing earlier one before going ahead without it.
-    gap: float
+    ordering: ordering_mod.Ordering | None = None
 
 
 def declared_names() -> frozenset[str]:
@@ -179,11 +179,11 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
     )
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
 
-    key = _key_declaration(cls, task_name=name)
-    _check_key_fields(key, params, takes_kwargs, refuse)
+    key = declarations.key_declaration(cls, task_name=name)
+    declarations.check_key_fields(key, params, takes_kwargs, refuse)
 
-    visibility = _positive(declared["visibility_timeout"], "visibility_timeout", refuse)
-    expected = _positive(declared["expected_duration"], "expected_duration", refuse)
+    visibility = declarations.positive(declared["visibility_timeout"], "visibility_timeout", refuse)
+    expected = declarations.positive(declared["expected_duration"], "expected_duration", refuse)
     if visibility < expected * SAFE_MARGIN_FACTOR:
         raise refuse(
             f"visibility_timeout={visibility:g}s leaves no safe margin over "
@@ -229,7 +229,9 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         )
     max_run_time: float | None = None
     if getattr(cls, "max_run_time", None) is not None:
-        max_run_time = _positive(getattr(cls, "max_run_time", None), "max_run_time", refuse)
+        max_run_time = declarations.positive(
+            getattr(cls, "max_run_time", None), "max_run_time", refuse
+        )
         if max_run_time < expected:
             raise refuse(
                 f"max_run_time={max_run_time:g}s is shorter than expected_duration="
@@ -244,8 +246,12 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
             "that call it",
             "downstream",
         )
-    base = _positive(getattr(cls, "backoff_base", DEFAULTS["backoff_base"]), "backoff_base", refuse)
-    cap = _positive(getattr(cls, "backoff_cap", DEFAULTS["backoff_cap"]), "backoff_cap", refuse)
+    base = declarations.positive(
+        getattr(cls, "backoff_base", DEFAULTS["backoff_base"]), "backoff_base", refuse
+    )
+    cap = declarations.positive(
+        getattr(cls, "backoff_cap", DEFAULTS["backoff_cap"]), "backoff_cap", refuse
+    )
     if cap < base:
         raise refuse(f"backoff_cap={cap:g}s is below backoff_base={base:g}s", "backoff_cap")
 
@@ -265,26 +271,24 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         run_parameters=params,
         run_takes_kwargs=takes_kwargs,
         signature=sig,
-        dedup=_dedup(cls, params, takes_kwargs, refuse),
+        dedup=dedup_mod.declared(cls, params, takes_kwargs, refuse),
         max_deliveries=max_deliveries,
         max_run_time=max_run_time,
         downstream=downstream,
-        ordering=_ordering(cls, params, takes_kwargs, refuse, visibility, cap),
+        ordering=ordering_mod.declared(cls, params, takes_kwargs, refuse, visibility, cap),
     )
 
 
-Refuse = Callable[[str, str], ContractError]
-
-
-def _refuse_unknown_options(name: str, namespace: Mapping[str, Any], refuse: Refuse) -> None:
-    known = declared_names() | _CELERY_TASK_ATTRS | _CELERY_DECORATOR_KEYS
+def _refuse_unknown_options(
+    name: str, namespace: Mapping[str, Any], refuse: declarations.Refuse
+) -> None:
+    decorator_keys = celery_decorator_keys()
+    known = declared_names() | _CELERY_TASK_ATTRS | decorator_keys
     decorated = bool(namespace.get("_decorated"))
     for option in namespace:
         if option in known or option.startswith("__"):
             continue
-        close = difflib.get_close_matches(
-            option, sorted(known - _CELERY_DECORATOR_KEYS), n=1, cutoff=0.75
-        )
+        close = difflib.get_close_matches(option, sorted(known - decorator_keys), n=1, cutoff=0.75)
         # A decorator's keyword arguments are all options, so any unknown one is a typo.
         # A class body may hold the task's own helpers: refuse only near-misses there.
         if decorated or close:
@@ -292,140 +296,12 @@ def _refuse_unknown_options(name: str, namespace: Mapping[str, Any], refuse: Ref
             raise refuse(f"unknown option {option!r}{hint}", option)
 
 
-def _key_declaration(
-    cls: type,
-    attr: str = "idempotency_key",
-    example: str = "'payment:{payment_id}:capture'",
-    *,
-    task_name: str = "",
-) -> idempotency.KeyDeclaration:
-    # Read through the MRO's __dict__: a function stored on the class would otherwise
-    # come back as a bound method and take the task as its first argument.
-    for klass in cls.__mro__:
-        if attr in klass.__dict__:
-            raw = klass.__dict__[attr]
-            if isinstance(raw, staticmethod):
-                raw = raw.__func__
-            if isinstance(raw, str) or callable(raw):
-                return raw  # type: ignore[no-any-return]
-            break
-    raise ContractError(
-        task_name or f"{cls.__module__}.{cls.__qualname__}",
-        f"{attr} must be a template string like {example} or a callable",
-        field=attr,
-    )
-
-
-def _check_key_fields(
-    key: idempotency.KeyDeclaration,
-    params: tuple[str, ...],
-    takes_kwargs: bool,
-    refuse: Refuse,
-    attr: str = "idempotency_key",
-) -> None:
-    if isinstance(key, str):
-        if not key.strip():
-            raise refuse(f"{attr} is empty", attr)
-        try:
-            fields = idempotency.template_fields(key)
-        except ValueError as exc:
-            raise refuse(f"{attr} {key!r}: {exc}", attr) from None
-        if not fields:
-            raise refuse(
-                f"{attr} {key!r} has no field: every message would "
-                "share one key; build it from the business identity, e.g. "
-                "'payment:{payment_id}:capture'",
-                attr,
-            )
-    else:
-        fields, key_takes_kwargs = idempotency.callable_fields(key)
-        if key_takes_kwargs and not fields:
-            return
-        if not fields:
-            raise refuse(
-                f"{attr} callable takes no parameter: every message would share one key; "
-                "take the run() parameters that identify the operation",
-                attr,
-            )
-    unknown = [f for f in fields if f not in params]
-    if unknown and not takes_kwargs:
-        raise refuse(
-            f"{attr} field {unknown[0]!r} is not a parameter of run() "
-            f"(parameters: {', '.join(params) or 'none'})",
-            attr,
-        )
-
-
-def _dedup(cls: type, params: tuple[str, ...], takes_kwargs: bool, refuse: Refuse) -> Dedup | None:
-    declared_key = getattr(cls, "dedup_key", None)
-    window = getattr(cls, "dedup_window", None)
-    if declared_key is None:
-        if window is not None:
-            raise refuse(
-                "dedup_window is declared without dedup_key: declare the "
-                "message id to deduplicate on, e.g. dedup_key='{event_id}'",
-                "dedup_window",
-            )
-        return None
-    key = _key_declaration(cls, "dedup_key", "'{event_id}'", task_name=_task_name(cls))
-    _check_key_fields(key, params, takes_kwargs, refuse, "dedup_key")
-    if window is None:
-        raise refuse(
-            "dedup_key is declared without dedup_window: say how long (seconds) "
-            "a second message with the same id is dropped",
-            "dedup_window",
-        )
-    return Dedup(key=key, window=_positive(window, "dedup_window", refuse))
-
-
-def _ordering(
-    cls: type,
-    params: tuple[str, ...],
-    takes_kwargs: bool,
-    refuse: Refuse,
-    visibility: float,
-    backoff_cap: float,
-) -> Ordering | None:
-    declared_key = getattr(cls, "ordering_key", None)
-    gap = getattr(cls, "ordering_gap", None)
-    if declared_key is None:
-        if gap is not None:
-            raise refuse(
-                "ordering_gap is declared without ordering_key: declare the entity "
-                "whose jobs run in order, e.g. ordering_key='order:{order_id}'",
-                "ordering_gap",
-            )
-        return None
-    key = _key_declaration(cls, "ordering_key", "'order:{order_id}'", task_name=_task_name(cls))
-    _check_key_fields(key, params, takes_kwargs, refuse, "ordering_key")
-    if gap is None:
-        # Long enough for the job ahead to lose its lease, be redelivered and wait out a
-        # full backoff: only a job that will never come is skipped.
-        return Ordering(key=key, gap=2 * visibility + backoff_cap)
-    return Ordering(key=key, gap=_positive(gap, "ordering_gap", refuse))
-
-
-def _positive(value: object, field: str, refuse: Refuse) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise refuse(f"{field}={value!r} must be a positive, finite number of seconds", field)
-    return float(value)
-
-
-def _task_name(cls: type) -> str:
-    return str(getattr(cls, "name", None) or f"{cls.__module__}.{cls.__qualname__}")
-
-
 def _is_celery_class(klass: type) -> bool:
     return klass.__module__.startswith("celery.") or klass is object
 
 
 def _exception_classes(
-    value: object, field: str, refuse: Refuse
+    value: object, field: str, refuse: declarations.Refuse
 ) -> tuple[type[BaseException], ...]:
     if isinstance(value, type):
         value = (value,)

@@ -17,37 +17,85 @@ letters skip dedup.
 
 from __future__ import annotations
 
+import logging
+import random
+from dataclasses import dataclass
 from typing import Any
 
-from celery_explicit import redis_state
-from celery_explicit.redis_state import PREFIX, client, text
+from celery_explicit import declarations, idempotency, metrics, redis_state
+from celery_explicit.execution import Execution
+from celery_explicit.outcomes import Outcome
+from celery_explicit.redis_scripts import Script, call
+from celery_explicit.redis_state import client, text
+from celery_explicit.steps import RUN, Decision, Drop, Ending, Job, RetryLater
+
+logger = logging.getLogger("celery_explicit.dedup")
+_rng = random.SystemRandom()
+
+
+@dataclass(frozen=True)
+class Dedup:
+    key: idempotency.KeyDeclaration
+    window: float
+
+
+def declared(
+    cls: type, params: tuple[str, ...], takes_kwargs: bool, refuse: declarations.Refuse
+) -> Dedup | None:
+    found = declarations.key_with_duration(
+        cls,
+        params,
+        takes_kwargs,
+        refuse,
+        key_attr="dedup_key",
+        duration_attr="dedup_window",
+        example="'{event_id}'",
+        without_key="declare the message id to deduplicate on, e.g. dedup_key='{event_id}'",
+    )
+    if found is None:
+        return None
+    key, window = found
+    if window is None:
+        raise refuse(
+            "dedup_key is declared without dedup_window: say how long (seconds) "
+            "a second message with the same id is dropped",
+            "dedup_window",
+        )
+    return Dedup(key=key, window=window)
+
 
 # KEYS[1] - the dedup mark for one (task, id)
 # ARGV[1] - the task id claiming it
 # ARGV[2] - window in milliseconds
 # return the task id that owns the id: ARGV[1] if this call claimed it, else the owner
-CLAIM = """
+CLAIM = Script(
+    "dedup_claim",
+    """
 local owner = redis.call('get', KEYS[1])
 if owner then
     return owner
 end
 redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return ARGV[1]
-"""
+""",
+)
 
 # KEYS[1] - the dedup mark
 # ARGV[1] - the task id that claimed it
 # return 1 if this task's claim was removed, otherwise 0 (someone else's claim stays)
-RELEASE = """
+RELEASE = Script(
+    "dedup_release",
+    """
 if redis.call('get', KEYS[1]) == ARGV[1] then
     return redis.call('del', KEYS[1])
 end
 return 0
-"""
+""",
+)
 
 
-def mark_key(task_name: str, dedup_id: str, *, prefix: str = PREFIX) -> str:
-    return f"{prefix}dedup:{task_name}:{dedup_id}"
+def mark_key(task_name: str, dedup_id: str, *, prefix: str | None = None) -> str:
+    return f"{prefix or redis_state.prefix()}dedup:{task_name}:{dedup_id}"
 
 
 def claim(
@@ -55,9 +103,8 @@ def claim(
 ) -> str:
     """Claim ``dedup_id`` for ``task_id``; return the task id that owns it."""
     conn = redis_client or client()
-    claim_script = redis_state.script(conn, CLAIM)
     window_ms = max(1, int(window * 1000))
-    owner = claim_script(keys=[mark_key(task_name, dedup_id)], args=[task_id, window_ms])
+    owner = call(conn, CLAIM, [mark_key(task_name, dedup_id)], [task_id, window_ms])
     return text(owner)
 
 
@@ -66,5 +113,56 @@ def release(
 ) -> bool:
     """Give back a claim whose message was never published (compare-and-delete)."""
     conn = redis_client or client()
-    release_script = redis_state.script(conn, RELEASE)
-    return bool(release_script(keys=[mark_key(task_name, dedup_id)], args=[task_id]))
+    return bool(call(conn, RELEASE, [mark_key(task_name, dedup_id)], [task_id]))
+
+
+def claim_at_publish(
+    task_name: str,
+    key: idempotency.KeyDeclaration,
+    given: dict[str, Any],
+    task_id: str,
+    *,
+    window: float,
+) -> tuple[str, str]:
+    """Publish side: ``(owner, dedup_id)``; the message is dropped unless ``owner`` is
+    ``task_id`` (nothing is sent; the caller gets the owner's result handle)."""
+    dedup_id = idempotency.render_key(task_name, key, given, label="dedup key")
+    owner = claim(task_name, dedup_id, task_id, window=window)
+    if owner != task_id:
+        metrics.dedup_dropped.labels(task_name, "publish").inc()
+        logger.info(
+            "dedup: message dropped at publish",
+            extra={"task": task_name, "dedup_id": dedup_id, "job_id": owner, "layer": "delivery"},
+        )
+    return owner, dedup_id
+
+
+class DedupStep:
+    """Delivery side: a message whose dedup id another message owns is dropped here."""
+
+    name = "dedup"
+
+    def __init__(self, task_name: str, window: float) -> None:
+        self.task_name, self.window = task_name, window
+
+    def before_run(self, job: Job) -> Decision:
+        import redis
+
+        if getattr(job.request, idempotency.REPLAY_HEADER, None) is not None:
+            return RUN  # an operator's replay is deliberate
+        execution = job.execution
+        dedup_id = execution.dedup_id
+        try:
+            owner = claim(self.task_name, dedup_id, execution.task_id, window=self.window)
+        except redis.RedisError as exc:
+            # Cannot tell whether it is a duplicate: keep the message, try again later.
+            return RetryLater(exc, _rng.uniform(1.0, 5.0))
+        if owner == execution.task_id:
+            return RUN
+        metrics.dedup_dropped.labels(self.task_name, "delivery").inc()
+        return Drop(Outcome.DEDUPLICATED, f"dedup id {dedup_id!r} is owned by job {owner}")
+
+    def after_run(
+        self, request: Any, execution: Execution | None, ending: Ending, *, entered: bool
+    ) -> None:
+        return None

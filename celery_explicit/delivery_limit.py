@@ -15,16 +15,21 @@ and expires a day after the last delivery.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery_explicit import redis_state
-from celery_explicit.redis_state import PREFIX
+from celery_explicit.errors import DeliveryLimitExceeded
+from celery_explicit.execution import Execution, delivery
+from celery_explicit.steps import RUN, DeadLetter, Decision, Ending, Job
+
+logger = logging.getLogger("celery_explicit.delivery_limit")
 
 COUNT_TTL = 24 * 3600
 
 
-def count_key(task_id: str, retries: int, *, prefix: str = PREFIX) -> str:
-    return f"{prefix}redeliveries:{task_id}:{retries}"
+def count_key(task_id: str, retries: int, *, prefix: str | None = None) -> str:
+    return f"{prefix or redis_state.prefix()}redeliveries:{task_id}:{retries}"
 
 
 def count_delivery(task_id: str, retries: int, *, redis_client: Any | None = None) -> int:
@@ -36,3 +41,41 @@ def count_delivery(task_id: str, retries: int, *, redis_client: Any | None = Non
     pipe.expire(key, COUNT_TTL)
     count, _ = pipe.execute()
     return int(count)
+
+
+class DeliveryLimitStep:
+    """First: a message that keeps coming back is dead-lettered before anything else.
+
+    Only redeliveries are counted (the broker flags them): a first delivery costs no
+    round trip, and the count plus the first delivery is the total.
+    """
+
+    name = "delivery_limit"
+
+    def __init__(self, task_name: str, max_deliveries: int) -> None:
+        self.task_name, self.max_deliveries = task_name, max_deliveries
+
+    def before_run(self, job: Job) -> Decision:
+        import redis
+
+        request = job.request
+        if not delivery(request, "redelivered"):
+            return RUN
+        try:
+            redeliveries = count_delivery(job.execution.task_id, int(request.retries or 0))
+        except redis.RedisError:
+            # Counting is a safety net: without Redis the job still runs.
+            logger.warning("could not count a delivery", extra=job.execution.log_fields())
+            return RUN
+        deliveries = redeliveries + 1
+        if deliveries <= self.max_deliveries:
+            return RUN
+        error = DeliveryLimitExceeded(
+            self.task_name, deliveries=deliveries, limit=self.max_deliveries
+        )
+        return DeadLetter(error, "DELIVERY_LIMIT")
+
+    def after_run(
+        self, request: Any, execution: Execution | None, ending: Ending, *, entered: bool
+    ) -> None:
+        return None

@@ -18,19 +18,39 @@ failures, opened_ms, probe) and ``{prefix}slots:{name}``.
 from __future__ import annotations
 
 import enum
+import logging
 import math
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from celery_explicit import redis_state
-from celery_explicit.redis_state import PREFIX, text
+from celery_explicit import metrics, redis_state
+from celery_explicit.execution import Execution
+from celery_explicit.redis_scripts import Script, call, tagged
+from celery_explicit.redis_state import text
+from celery_explicit.steps import RUN, Decision, Defer, Ending, Job
+
+logger = logging.getLogger("celery_explicit.downstream")
+_rng = random.SystemRandom()
 
 
-class BreakerState(enum.Enum):
+class BreakerState(enum.StrEnum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
+
+
+class Verdict(enum.StrEnum):
+    """What the downstream says to an execution that asks to enter."""
+
+    ADMITTED = "admitted"
+    #: Deferred: the breaker is open and its cool-down not over.
+    OPEN = "open"
+    #: Deferred: the breaker is half open and another execution is its probe.
+    PROBING = "probing"
+    #: Deferred: every slot of the concurrency limit is taken.
+    BUSY = "busy"
 
 
 @dataclass(frozen=True)
@@ -73,7 +93,9 @@ class Downstream:
 # ARGV[4] - task id asking to enter
 # ARGV[5] - slot lease in milliseconds
 # return {verdict, state}: verdict 'admitted' or 'open' / 'probing' / 'busy' (deferred)
-ENTER = """
+ENTER = Script(
+    "downstream_enter",
+    """
 local now = tonumber(ARGV[1])
 local state = redis.call('hget', KEYS[1], 'state') or 'closed'
 if state == 'open' then
@@ -93,7 +115,8 @@ if redis.call('zscore', KEYS[2], ARGV[4]) == false
 end
 redis.call('zadd', KEYS[2], now + tonumber(ARGV[5]), ARGV[4])
 return {'admitted', state}
-"""
+""",
+)
 
 # KEYS[1] - the breaker hash
 # KEYS[2] - the slots sorted set
@@ -102,7 +125,9 @@ return {'admitted', state}
 # ARGV[3] - 1 if the downstream failed transiently, 0 if it answered
 # ARGV[4] - failure threshold
 # return the breaker state after this execution
-LEAVE = """
+LEAVE = Script(
+    "downstream_leave",
+    """
 redis.call('zrem', KEYS[2], ARGV[2])
 local state = redis.call('hget', KEYS[1], 'state') or 'closed'
 if ARGV[3] == '1' then
@@ -117,34 +142,36 @@ end
 redis.call('hset', KEYS[1], 'state', 'closed', 'failures', 0)
 redis.call('hdel', KEYS[1], 'probe')
 return 'closed'
-"""
+""",
+)
 
 
-def _keys(name: str, prefix: str) -> list[str]:
-    return [f"{prefix}breaker:{name}", f"{prefix}slots:{name}"]
+def keys(name: str, *, prefix: str | None = None) -> list[str]:
+    """The breaker hash and the slots set of downstream ``name`` (one hash tag)."""
+    head = prefix or redis_state.prefix()
+    return [f"{head}breaker:{tagged(name)}", f"{head}slots:{tagged(name)}"]
 
 
 def enter(
     downstream: Downstream,
     task_id: str,
     *,
-    slot_lease: float,
-    prefix: str = PREFIX,
+    slot_ttl: float,
+    prefix: str | None = None,
     redis_client: Any | None = None,
-) -> tuple[str, str]:
-    """(verdict, breaker state): verdict ``admitted``, or why the execution is deferred."""
+) -> tuple[Verdict, BreakerState]:
+    """(verdict, breaker state): ``ADMITTED``, or why the execution is deferred. A slot
+    expires after ``slot_ttl`` seconds, so a dead worker cannot keep it."""
     conn = redis_client or redis_state.client()
-    verdict, state = conn.eval(
-        ENTER,
-        2,
-        *_keys(downstream.name, prefix),
+    args = [
         int(time.time() * 1000),
         int(downstream.cool_down * 1000),
         downstream.concurrency,
         task_id,
-        max(1, int(slot_lease * 1000)),
-    )
-    return text(verdict), text(state)
+        max(1, int(slot_ttl * 1000)),
+    ]
+    verdict, state = call(conn, ENTER, keys(downstream.name, prefix=prefix), args)
+    return Verdict(text(verdict)), BreakerState(text(state))
 
 
 def leave(
@@ -152,30 +179,21 @@ def leave(
     task_id: str,
     *,
     failed: bool,
-    prefix: str = PREFIX,
+    prefix: str | None = None,
     redis_client: Any | None = None,
-) -> str:
+) -> BreakerState:
     """Free the slot and feed the breaker; return its state after this execution."""
     conn = redis_client or redis_state.client()
-    return text(
-        conn.eval(
-            LEAVE,
-            2,
-            *_keys(downstream.name, prefix),
-            int(time.time() * 1000),
-            task_id,
-            1 if failed else 0,
-            downstream.failure_threshold,
-        )
-    )
+    args = [int(time.time() * 1000), task_id, 1 if failed else 0, downstream.failure_threshold]
+    return BreakerState(text(call(conn, LEAVE, keys(downstream.name, prefix=prefix), args)))
 
 
 def state(
-    downstream: Downstream, *, prefix: str = PREFIX, redis_client: Any | None = None
+    downstream: Downstream, *, prefix: str | None = None, redis_client: Any | None = None
 ) -> dict[str, str]:
     """The breaker as an operator reads it (state, failures, opened_ms, probe)."""
     conn = redis_client or redis_state.client()
-    raw = conn.hgetall(_keys(downstream.name, prefix)[0])
+    raw = conn.hgetall(keys(downstream.name, prefix=prefix)[0])
     info = {text(k): text(v) for k, v in raw.items()}
     # Failures are counted before the breaker ever changes state: no 'state' field yet.
     info.setdefault("state", BreakerState.CLOSED.value)
@@ -183,8 +201,63 @@ def state(
 
 
 def slots_in_use(
-    downstream: Downstream, *, prefix: str = PREFIX, redis_client: Any | None = None
+    downstream: Downstream, *, prefix: str | None = None, redis_client: Any | None = None
 ) -> int:
     """Executions holding a slot of the concurrency limit right now."""
     conn = redis_client or redis_state.client()
-    return int(conn.zcount(_keys(downstream.name, prefix)[1], time.time() * 1000, "+inf"))
+    return int(conn.zcount(keys(downstream.name, prefix=prefix)[1], time.time() * 1000, "+inf"))
+
+
+class DownstreamStep:
+    """Last before the handler: a slot of the downstream's limit, or defer.
+
+    Its failure policy: without Redis the job runs unguarded, loudly. Only a transient
+    error counts against the downstream: a declined card is an answer, and our own
+    bug is not the warehouse's fault.
+    """
+
+    name = "downstream"
+
+    def __init__(self, task_name: str, downstream: Downstream, slot_ttl: float) -> None:
+        self.task_name, self.downstream, self.slot_ttl = task_name, downstream, slot_ttl
+
+    def before_run(self, job: Job) -> Decision:
+        import redis
+
+        name = self.downstream.name
+        try:
+            verdict, breaker = enter(self.downstream, job.execution.task_id, slot_ttl=self.slot_ttl)
+        except redis.RedisError:
+            logger.warning(
+                "downstream %s: limits unavailable, running unguarded",
+                name,
+                extra={"task": self.task_name},
+            )
+            return RUN
+        if verdict is Verdict.ADMITTED:
+            return RUN
+        metrics.downstream_deferred.labels(name, verdict).inc()
+        return Defer(
+            _rng.uniform(0.5, 1.5) * self.downstream.defer_base,
+            f"downstream {name} {verdict} ({breaker})",
+            {"downstream": name, "verdict": verdict},
+        )
+
+    def after_run(
+        self, request: Any, execution: Execution | None, ending: Ending, *, entered: bool
+    ) -> None:
+        import redis
+
+        if execution is None or not entered:
+            return  # never admitted: no slot to free, no answer to count
+        name = self.downstream.name
+        try:
+            breaker = leave(self.downstream, execution.task_id, failed=ending.transient_failure)
+        except redis.RedisError:
+            logger.warning(
+                "downstream %s: could not free the slot (it expires with the lease)",
+                name,
+                extra={"task": self.task_name},
+            )
+            return
+        metrics.breaker_open.labels(name).set(1 if breaker is BreakerState.OPEN else 0)

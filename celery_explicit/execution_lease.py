@@ -22,85 +22,125 @@ the worker's main process while the handler's process is alive and not stopped (
 same ``LeaseKeeper`` as the visibility lease). A dead holder on this host is detected
 at once (its pid is gone) and taken over without waiting for the lease to run out.
 
-State in Redis (``EXPLICIT_REDIS_URL``):
-- ``{prefix}run:{task_id}``: ``<fence>|<owner host:pid>|<acquired ms>``, with the TTL;
-- ``{prefix}run-held:{task_id}``: the fence of a holder that has not released (a day);
-  present while the lease is not, it means "taken over";
-- ``{prefix}run-fence``: the counter.
+State in Redis (``EXPLICIT_REDIS_URL``), the three keys of a job sharing its task id as
+their hash tag (one slot on Redis Cluster):
+- ``{prefix}run:{<task_id>}``: ``<fence>|<owner host:pid>|<acquired ms>``, with the TTL;
+- ``{prefix}run-held:{<task_id>}``: the fence of a holder that has not released (a
+  day); present while the lease is not, it means "taken over";
+- ``{prefix}run-fence:{<task_id>}``: the job's fence counter (a day after last use). A
+  new counter starts at the server's clock in microseconds, so a counter that expired
+  or was lost (a flush, a failover) never hands out a token below an older one.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
+import random
 import socket
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from celery_explicit import redis_state
-from celery_explicit.redis_state import PREFIX, text
+from django.db import Error as DatabaseError
+
+from celery_explicit import metrics, redis_state, store
+from celery_explicit.conf import settings
+from celery_explicit.execution import Execution, delivery
+from celery_explicit.redis_scripts import Script, call, call_many, tagged
+from celery_explicit.redis_state import text
+from celery_explicit.steps import RUN, Decision, Defer, Ending, Job, RetryLater
 
 logger = logging.getLogger("celery_explicit.execution_lease")
 
 #: How long the "not released" marker outlives a lease: a holder asleep for longer
 #: than this is no longer recognised as stale (its commit is then not refused).
 HELD_MARKER_TTL = 24 * 3600
-#: Test and incident switch: "0" runs every delivery without a lease or a fence.
-ENV_SWITCH = "EXPLICIT_EXECUTION_LEASE"
+_rng = random.SystemRandom()
 
 # KEYS[1] - the lease          KEYS[2] - the "not released" marker
-# KEYS[3] - the fence counter
+# KEYS[3] - the job's fence counter
 # ARGV[1] - ttl ms   ARGV[2] - owner (host:pid)   ARGV[3] - now ms
-# ARGV[4] - marker ttl seconds
+# ARGV[4] - marker and counter ttl seconds
 # ARGV[5] - the value to take over from ("" unless the caller saw its holder dead)
 # return {fence, previous holder's value or ""} when taken,
 #        {0, holder's value, remaining ms} when held by another
-ACQUIRE = """
+ACQUIRE = Script(
+    "execution_lease_acquire",
+    """
 local holder = redis.call('get', KEYS[1])
 if holder and holder ~= ARGV[5] then
     return {0, holder, redis.call('pttl', KEYS[1])}
 end
 local previous = holder or redis.call('get', KEYS[2]) or ''
+if redis.call('exists', KEYS[3]) == 0 then
+    local now = redis.call('time')
+    redis.call('set', KEYS[3], now[1] .. string.format('%06d', tonumber(now[2])))
+end
 local fence = redis.call('incr', KEYS[3])
-local value = fence .. '|' .. ARGV[2] .. '|' .. ARGV[3]
+redis.call('expire', KEYS[3], ARGV[4])
+-- '%.0f': Lua would write a number this large as 1.7e+15.
+local value = string.format('%.0f', fence) .. '|' .. ARGV[2] .. '|' .. ARGV[3]
 redis.call('set', KEYS[1], value, 'PX', ARGV[1])
 redis.call('set', KEYS[2], value, 'EX', ARGV[4])
 return {fence, previous}
-"""
+""",
+)
 
 # KEYS[1] - the lease   KEYS[2] - the marker   ARGV[1] - the holder's fence
 # return 1 if released, 0 if it was no longer ours
-RELEASE = """
+RELEASE = Script(
+    "execution_lease_release",
+    """
 local value = redis.call('get', KEYS[2])
 if value and string.match(value, '^(%d+)|') == ARGV[1] then
     redis.call('del', KEYS[1], KEYS[2])
     return 1
 end
 return 0
-"""
+""",
+)
 
 # KEYS[1] - the lease   ARGV[1] - owner (host:pid)   ARGV[2] - ttl ms
 # return 1 if extended, 0 if the lease is gone or held by someone else
-EXTEND = """
+EXTEND = Script(
+    "execution_lease_extend",
+    """
 local value = redis.call('get', KEYS[1])
 if value and string.match(value, '^%d+|([^|]*)|') == ARGV[1] then
     return redis.call('pexpire', KEYS[1], ARGV[2])
 end
 return 0
-"""
+""",
+)
 
 
-def lease_key(task_id: str, *, prefix: str = PREFIX) -> str:
-    return f"{prefix}run:{task_id}"
+def lease_key(task_id: str, *, prefix: str | None = None) -> str:
+    return f"{prefix or redis_state.prefix()}run:{tagged(task_id)}"
 
 
-def marker_key(task_id: str, *, prefix: str = PREFIX) -> str:
-    return f"{prefix}run-held:{task_id}"
+def marker_key(task_id: str, *, prefix: str | None = None) -> str:
+    return f"{prefix or redis_state.prefix()}run-held:{tagged(task_id)}"
+
+
+def fence_key(task_id: str, *, prefix: str | None = None) -> str:
+    return f"{prefix or redis_state.prefix()}run-fence:{tagged(task_id)}"
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH) != "0"
+    """``EXPLICIT_EXECUTION_LEASE`` (setting or environment): off runs every delivery
+    without a lease or a fence (an incident switch, and the tests' negative control)."""
+    return settings.execution_lease
+
+
+class TakeoverCause(enum.StrEnum):
+    """Why a lease was taken over from an execution that never released it."""
+
+    #: It ran out: its holder stopped extending it (paused, partitioned, killed elsewhere).
+    LEASE_EXPIRED = "lease_expired"
+    #: Its holder ran on this host and its process is gone (a killed pool child).
+    HOLDER_DEAD = "holder_dead"
 
 
 @dataclass(frozen=True)
@@ -117,8 +157,8 @@ class Taken:
 
     fence: int
     took_over_from: str = ""  # host:pid of a holder that never released
-    #: Why it was taken over: "lease_expired" or "holder_dead" ("" when it was free).
-    cause: str = ""
+    #: Why it was taken over (None when it was free).
+    cause: TakeoverCause | None = None
 
 
 def owner() -> str:
@@ -141,11 +181,12 @@ def _holder_is_dead(holder: str) -> bool:
 def acquire(task_id: str, *, ttl: float, client: Any | None = None) -> Taken | Held:
     """Take the job's lease, or say who holds it. One round trip on the common path."""
     conn = client or redis_state.client()
-    script = redis_state.script(conn, ACQUIRE)
-    keys = [lease_key(task_id), marker_key(task_id), f"{PREFIX}run-fence"]
+    head = redis_state.prefix()
+    keys = [lease_key(task_id, prefix=head), marker_key(task_id, prefix=head)]
+    keys.append(fence_key(task_id, prefix=head))
     me, now_ms = owner(), _now_ms()
     args: list[Any] = [max(1, int(ttl * 1000)), me, now_ms, HELD_MARKER_TTL, ""]
-    reply = script(keys=keys, args=args)
+    reply = call(conn, ACQUIRE, keys, args)
     if int(reply[0]) == 0:
         value = text(reply[1])
         _fence, holder = _parse(value)
@@ -154,22 +195,25 @@ def acquire(task_id: str, *, ttl: float, client: Any | None = None) -> Taken | H
         # Its process is gone (a killed pool child): take over now, but only from that
         # exact value, so two executions racing for it cannot both win.
         args[4] = value
-        reply = script(keys=keys, args=args)
+        reply = call(conn, ACQUIRE, keys, args)
         if int(reply[0]) == 0:
             holder = _parse(text(reply[1]))[1]
             return Held(holder=holder, retry_in=max(0.0, int(reply[2]) / 1000.0))
-        return Taken(fence=int(reply[0]), took_over_from=holder, cause="holder_dead")
+        return Taken(fence=int(reply[0]), took_over_from=holder, cause=TakeoverCause.HOLDER_DEAD)
     previous = text(reply[1])
     if not previous:
         return Taken(fence=int(reply[0]))
-    return Taken(fence=int(reply[0]), took_over_from=_parse(previous)[1], cause="lease_expired")
+    previous_holder = _parse(previous)[1]
+    return Taken(
+        fence=int(reply[0]), took_over_from=previous_holder, cause=TakeoverCause.LEASE_EXPIRED
+    )
 
 
 def release(task_id: str, fence: int, *, client: Any | None = None) -> bool:
     """Give the lease back; False when it had already been taken over (logged)."""
     conn = client or redis_state.client()
-    release_script = redis_state.script(conn, RELEASE)
-    released = bool(release_script(keys=[lease_key(task_id), marker_key(task_id)], args=[fence]))
+    keys = [lease_key(task_id), marker_key(task_id)]
+    released = bool(call(conn, RELEASE, keys, [fence]))
     if not released:
         logger.warning(
             "execution lease of job %s (fence %s) was taken over before it ended",
@@ -183,33 +227,16 @@ def extend_all(client: Any, leases: list[tuple[str, str, float]]) -> int:
     """Extend ``(task_id, owner, ttl)`` leases in one pipeline; return how many moved."""
     if not leases:
         return 0
-    calls = [[1, lease_key(task_id), holder, int(ttl * 1000)] for task_id, holder, ttl in leases]
-    return sum(int(moved) for moved in redis_state.run_pipelined(client, EXTEND, calls))
+    return sum(int(moved) for moved in call_many(client, extensions(leases)))
 
 
-def record_takeover(task_id: str, key: str, fence: int, previous: str) -> None:
-    """Announce the newer fence in the database, before this execution's handler runs.
-
-    Autocommit and upsert-to-the-larger: a stale holder's ``effect()`` reads this row
-    in its commit. Written only on a takeover, so the common path never pays for it.
-    """
-    from django.db import connections
-    from django.utils import timezone
-
-    from django_outbox.conf import settings
-    from django_outbox.models import Fence
-
-    table = Fence._meta.db_table
-    connection = connections[settings.database]
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {table} (task_id, token, idempotency_key, taken_over_from, "
-            "taken_over_at) VALUES (%s, %s, %s, %s, %s) ON CONFLICT (task_id) DO UPDATE "
-            "SET token = excluded.token, idempotency_key = excluded.idempotency_key, "
-            "taken_over_from = excluded.taken_over_from, taken_over_at = excluded.taken_over_at "
-            f"WHERE {table}.token < excluded.token",
-            [task_id, fence, key[:255], previous[:255], timezone.now()],
-        )
+def extensions(leases: list[tuple[str, str, float]]) -> list[tuple[Script, list[Any], list[Any]]]:
+    """The calls extending ``(task_id, owner, ttl)`` leases, for one pipeline."""
+    head = redis_state.prefix()
+    return [
+        (EXTEND, [lease_key(task_id, prefix=head)], [holder, int(ttl * 1000)])
+        for task_id, holder, ttl in leases
+    ]
 
 
 def _now_ms() -> int:
@@ -227,11 +254,12 @@ class LiveExecution:
     expires_in: float  # seconds until another delivery may take it over
 
 
-def live_executions(client: Any, *, prefix: str = PREFIX) -> list[LiveExecution]:
+def live_executions(client: Any, *, prefix: str | None = None) -> list[LiveExecution]:
     """Every execution lease in Redis, soonest to expire first."""
     now_ms = _now_ms()
     found = []
-    for task_id, value, ttl_ms in redis_state.live_strings(client, f"{prefix}run:"):
+    head = f"{prefix or redis_state.prefix()}run:"
+    for task_id, value, ttl_ms in redis_state.live_strings(client, head):
         fence, holder = _parse(value)
         acquired_ms = int(value.rsplit("|", 1)[1])
         found.append(
@@ -244,3 +272,109 @@ def live_executions(client: Any, *, prefix: str = PREFIX) -> list[LiveExecution]
             )
         )
     return sorted(found, key=lambda lease: lease.expires_in)
+
+
+class ExecutionLeaseStep:
+    """Hold the job's execution lease while the handler runs, or defer this delivery.
+
+    Its failure policy: without Redis the job runs, unfenced, loudly (the lease is a
+    safety net for a rare race); without the database a takeover is not run (the
+    stale holder could still commit), it is retried.
+    """
+
+    name = "execution_lease"
+
+    def __init__(self, task_name: str, ttl: float) -> None:
+        self.task_name, self.ttl = task_name, ttl
+
+    def before_run(self, job: Job) -> Decision:
+        import redis
+
+        execution = job.execution
+        redelivered = bool(delivery(job.request, "redelivered"))
+        if not enabled():
+            if redelivered:
+                metrics.redeliveries.labels(self.task_name, "broker").inc()
+            return RUN
+        try:
+            lease = acquire(execution.task_id, ttl=self.ttl)
+        except redis.RedisError:
+            logger.warning(
+                "execution lease unavailable: running unfenced", extra=execution.log_fields()
+            )
+            return RUN
+        if isinstance(lease, Held):
+            metrics.concurrent_deferred.labels(self.task_name).inc()
+            # Look again well before the holder's lease could run out: it may end soon.
+            quarter = max(0.5, self.ttl * 0.25)
+            return Defer(
+                min(lease.retry_in, quarter) + _rng.uniform(0.2, 1.0),
+                f"another execution of this job is running ({lease.holder})",
+                {"holder": lease.holder},
+            )
+        execution.fence = lease.fence
+        if lease.took_over_from:
+            return self._take_over(execution, lease)
+        if redelivered:
+            metrics.redeliveries.labels(self.task_name, "broker").inc()
+        return RUN
+
+    def _take_over(self, execution: Execution, lease: Taken) -> Decision:
+        metrics.redeliveries.labels(self.task_name, lease.cause).inc()
+        logger.info(
+            "took over the execution lease of %s (%s); fence %s",
+            lease.took_over_from,
+            lease.cause,
+            lease.fence,
+            extra={**execution.log_fields(), "layer": "delivery", "fence": lease.fence},
+        )
+        try:
+            store.get().record_takeover(
+                execution.task_id, execution.key, lease.fence, lease.took_over_from
+            )
+        except DatabaseError as exc:
+            # Without the fence row the stale holder could still commit: do not run.
+            # Keep the lease (it runs out by itself) rather than release it: releasing
+            # would erase the "not released" marker, and the retry would then take a
+            # fresh lease with no takeover to record.
+            execution.fence = None
+            return RetryLater(exc, _rng.uniform(1.0, 5.0), record=False)
+        return RUN
+
+    def after_run(
+        self, request: Any, execution: Execution | None, ending: Ending, *, entered: bool
+    ) -> None:
+        if execution is not None and execution.fence is not None:
+            give_back(execution)
+
+
+def give_back(execution: Execution) -> None:
+    """Release the lease; a lease found taken over marks the execution ``lost_lease``."""
+    import redis
+
+    assert execution.fence is not None
+    try:
+        released = release(execution.task_id, execution.fence)
+    except redis.RedisError:
+        logger.warning(
+            "could not release the execution lease (it runs out by itself)",
+            extra=execution.log_fields(),
+        )
+        return
+    if not released:
+        # Taken over while this execution ran (it was paused past its lease): the
+        # job is the newer execution's now, its turn included.
+        execution.lost_lease = True
+
+
+def hand_back(execution: Execution | None) -> bool:
+    """Before re-publishing this job: its next message must find the lease free.
+
+    False when the lease had been taken over meanwhile: another execution owns the
+    job now, and this one must not publish a second live copy of it.
+    """
+    if execution is not None and execution.fence is not None:
+        give_back(execution)
+        execution.fence = None
+        return not execution.lost_lease
+    return True

@@ -49,8 +49,11 @@ from typing import Any
 
 from celery import bootsteps
 
-from celery_explicit import metrics, redis_state
-from celery_explicit.redis_state import PREFIX, text
+from celery_explicit import execution_lease, metrics, ordering, redis_state
+from celery_explicit.conf import settings
+from celery_explicit.contract import Contract
+from celery_explicit.redis_scripts import Script, call_many
+from celery_explicit.redis_state import text
 
 logger = logging.getLogger("celery_explicit.lease")
 
@@ -60,8 +63,6 @@ HEARTBEAT_FRACTION = 0.25
 #: their first lease then. Short: it bounds how long a new message depends on the
 #: global timeout. Cheap: a look with nothing new sends nothing.
 FIRST_LEASE_INTERVAL = 0.1
-#: Test and incident switch: set to "0" to stop extending (leases then run out).
-EXTEND_ENV = "EXPLICIT_LEASE_EXTEND"
 
 # KEYS[1] - kombu's unacked_index sorted set
 # KEYS[2] - the lease record (hash)
@@ -73,7 +74,9 @@ EXTEND_ENV = "EXPLICIT_LEASE_EXTEND"
 # return 1 if the message is still unacknowledged and its lease was moved, otherwise 0
 # (the record is deleted only if it is this delivery's: a retry or a deferral of the
 # same job is a newer delivery with the same task id, and keeps its own)
-EXTEND = """
+EXTEND = Script(
+    "message_lease_extend",
+    """
 if not redis.call('zscore', KEYS[1], ARGV[1]) then
     if redis.call('hget', KEYS[2], 'tag') == ARGV[1] then
         redis.call('del', KEYS[2])
@@ -85,11 +88,28 @@ redis.call('hset', KEYS[2], 'owner', ARGV[4], 'deadline_ms', ARGV[5], 'tag', ARG
 redis.call('hincrby', KEYS[2], 'extensions', 1)
 redis.call('pexpire', KEYS[2], ARGV[3])
 return 1
-"""
+""",
+)
 
 
-def lease_key(task_id: str, *, prefix: str = PREFIX) -> str:
-    return f"{prefix}lease:{task_id}"
+def record_key(task_id: str, *, prefix: str | None = None) -> str:
+    """The message lease's record (owner, deadline, extensions) an operator reads."""
+    return f"{prefix or redis_state.prefix()}lease:{task_id}"
+
+
+def unacked_index_key(channel: Any) -> str:
+    """kombu's ``unacked_index`` of ``channel``, as the server names it.
+
+    kombu's own client adds the transport's ``global_keyprefix`` to the first key of an
+    ``EVALSHA`` and to no key of an ``FCALL`` (``GlobalKeyPrefixMixin.
+    PREFIXED_COMPLEX_COMMANDS`` in kombu/transport/redis.py,
+    https://github.com/celery/kombu/blob/v5.5.0/kombu/transport/redis.py). So the
+    heartbeat talks through a plain client on the channel's connection pool and adds
+    the prefix itself. ``tests/integration/test_lease_keeper.py`` (run with and without
+    a global prefix) and ``test_upstream_seams.py`` fail if kombu moves the index,
+    renames these attributes or changes how it scores the index.
+    """
+    return str(getattr(channel, "global_keyprefix", "") or "") + str(channel.unacked_index_key)
 
 
 def child_is_stopped(pid: int | None) -> bool:
@@ -105,6 +125,13 @@ def child_is_stopped(pid: int | None) -> bool:
     return state in (b"T", b"t")
 
 
+def contract_of(task: Any) -> Contract | None:
+    """The contract of an ExplicitTask (None for any other task): read from the task,
+    not by importing the task class, which sits above this module."""
+    contract = getattr(task, "contract", None)
+    return contract if isinstance(contract, Contract) else None
+
+
 def held_requests() -> list[Any]:
     """Every request whose message this worker holds unacknowledged.
 
@@ -116,7 +143,10 @@ def held_requests() -> list[Any]:
 
     held = list(state.reserved_requests)
     seen = {id(request) for request in held}
-    # Celery 5.7 lists them in a set of their own; where it does not, they go unleased.
+    # Celery 5.7 lists them in a WeakSet of their own (celery/worker/state.py,
+    # ``scheduled_requests``: https://github.com/celery/celery/blob/main/celery/worker/
+    # state.py); before 5.7 it has none and they go unleased until they start.
+    # tests/integration/test_upstream_seams.py fails if it goes away.
     scheduled = list(getattr(state, "scheduled_requests", ()))
     held += [r for r in scheduled if id(r) not in seen]
     return held
@@ -140,14 +170,13 @@ class LeaseKeeper(bootsteps.StartStopStep):
         #: heartbeat.
         self._leased: set[str] = set()
         self._gone: set[str] = set()
+        self._client: Any = None
 
     def start(self, parent: Any) -> None:
-        from celery_explicit.task import ExplicitTask
-
         leases = [
-            t.contract.visibility_timeout
-            for t in parent.app.tasks.values()
-            if isinstance(t, ExplicitTask)
+            contract.visibility_timeout
+            for contract in map(contract_of, parent.app.tasks.values())
+            if contract is not None
         ]
         if not leases:
             return
@@ -178,12 +207,10 @@ class LeaseKeeper(bootsteps.StartStopStep):
 
     def first_leases(self, parent: Any) -> None:
         """Between heartbeats: a first lease for each message received since the last."""
-        from celery_explicit.task import ExplicitTask
-
         new = [
             request
             for request in held_requests()
-            if isinstance(request.task, ExplicitTask)
+            if contract_of(request.task) is not None
             and request.message.delivery_tag not in self._leased
             and request.message.delivery_tag not in self._gone
         ]
@@ -195,10 +222,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
 
         channel = parent.connection.default_channel
         try:
-            # A pooled connection, never channel.client's own: that one may be blocked
-            # in BRPOP, and a reply read by the wrong reader stops the worker.
-            with channel.conn_or_acquire() as client:
-                self._extend_all(channel, client, held)
+            self._extend_all(channel, self._broker_client(channel), held)
         except channel.connection_errors:
             logger.warning("could not extend leases: broker connection lost")
         except redis.RedisError as exc:
@@ -207,39 +231,58 @@ class LeaseKeeper(bootsteps.StartStopStep):
             logger.warning("could not extend leases: %s", exc)
 
     def _extend_execution_leases(self, held: list[Any]) -> None:
-        """Extend the execution lease of each live, running handler (any broker)."""
+        """Extend the execution lease of each live, running handler, and its entity's
+        turn where it holds one (any broker): one pipeline for all of them."""
         import redis
 
-        from celery_explicit import execution_lease, redis_state
-        from celery_explicit.task import ExplicitTask
-
-        if not execution_lease.enabled() or os.environ.get(EXTEND_ENV) == "0":
+        if not settings.lease_extend:
             return
-        leases = []
+        leases, turns = [], []
         for request in held:
             pid = request.worker_pid
-            if not isinstance(request.task, ExplicitTask) or not pid:
+            contract = contract_of(request.task)
+            if contract is None or not pid:
                 continue  # not started in a pool child yet: it holds no lease
             if child_is_stopped(pid):
                 continue  # counted by the visibility lease below (Redis) or not at all
             owner = f"{self._host}:{pid}"
-            leases.append((request.id, owner, request.task.contract.visibility_timeout))
+            leases.append((request.id, owner, contract.visibility_timeout))
+            place = ordering.place_in(request.request_dict) if contract.ordering else None
+            if place is not None:
+                turns.append((place[0], request.id, contract.visibility_timeout))
+        calls = ordering.alive_extensions(turns)
+        if execution_lease.enabled():
+            calls += execution_lease.extensions(leases)
+        if not calls:
+            return
         try:
-            execution_lease.extend_all(redis_state.client(), leases)
+            call_many(redis_state.client(), calls)
         except redis.RedisError:
             logger.warning("could not extend execution leases: Redis unavailable")
 
+    def _broker_client(self, channel: Any) -> Any:
+        """A plain redis-py client on the channel's own connection pool, kept while the
+        pool lives: a pooled connection, never channel.client's own (that one may be
+        blocked in BRPOP, and a reply read by the wrong reader stops the worker), and
+        no kombu key prefixing (``unacked_index_key``)."""
+        import redis
+
+        pool = channel.pool
+        if self._client is None or self._client.connection_pool is not pool:
+            self._client = redis.Redis(connection_pool=pool)
+        return self._client
+
     def _extend_all(self, channel: Any, client: Any, held: list[Any]) -> None:
         """Move the lease of each message in ``held``: one round trip for all of them."""
-        from celery_explicit.task import ExplicitTask
-
         backstop = float(channel.visibility_timeout)
         now = time.time()
-        extend = os.environ.get(EXTEND_ENV) != "0"
-        calls: list[tuple[Any, str, list[Any]]] = []
+        extend = settings.lease_extend
+        index = unacked_index_key(channel)
+        calls: list[tuple[Any, str, list[Any], list[Any]]] = []
         for request in held:
             task = request.task
-            if not isinstance(task, ExplicitTask):
+            contract = contract_of(task)
+            if contract is None:
                 continue
             # Keyed by delivery: a deferral or a retry is a new message with the same
             # task id, and must get its own lease.
@@ -254,23 +297,21 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 # Stopped before its first heartbeat: its message still has kombu's
                 # score (its delivery time), so it would wait out the global timeout.
                 # Give it its own lease once; it runs out T from now.
-            lease = task.contract.visibility_timeout
+            lease = contract.visibility_timeout
             deadline = now + lease
+            keys = [index, record_key(request.id)]
             args = [
-                2,
-                channel.unacked_index_key,
-                lease_key(request.id),
                 tag,
                 deadline - backstop,
                 int(lease * 1000),
                 f"{self._host}:{pid or os.getpid()}",
                 int(deadline * 1000),
             ]
-            calls.append((task, tag, args))
+            calls.append((task, tag, keys, args))
         if not calls:
             return
-        replies = redis_state.run_pipelined(client, EXTEND, [args for _task, _tag, args in calls])
-        for (task, tag, _args), moved in zip(calls, replies, strict=True):
+        replies = call_many(client, [(EXTEND, keys, args) for _t, _tag, keys, args in calls])
+        for (task, tag, _keys, _args), moved in zip(calls, replies, strict=True):
             if moved:
                 self._leased.add(tag)
                 metrics.lease_extensions.labels(task.name).inc()
@@ -289,10 +330,11 @@ class LiveLease:
     delivery_tag: str
 
 
-def live_leases(client: Any, *, prefix: str = PREFIX) -> list[LiveLease]:
+def live_leases(client: Any, *, prefix: str | None = None) -> list[LiveLease]:
     """Every lease record in the broker's Redis (SCAN, not KEYS)."""
     found = []
     now_ms = time.time() * 1000
+    prefix = prefix or redis_state.prefix()
     for raw_key in client.scan_iter(match=f"{prefix}lease:*", count=500, _type="HASH"):
         key = text(raw_key)
         info = {text(k): text(v) for k, v in client.hgetall(key).items()}
@@ -308,7 +350,3 @@ def live_leases(client: Any, *, prefix: str = PREFIX) -> list[LiveLease]:
             )
         )
     return sorted(found, key=lambda lease: lease.expires_in)
-
-
-def install(app: Any) -> None:
-    app.steps["consumer"].add(LeaseKeeper)

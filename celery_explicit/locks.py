@@ -13,9 +13,12 @@ number that only grows, so a write can refuse a holder that lost its lock while 
         rebuild(user_id=123, fencing_token=fence)
         lock.extend()        # still working: push the expiry forward
 
-State in Redis, per lock: a string ``{prefix}lock:{name}`` holding
-``<token>|<fence>|<acquired_ms>|<owner>`` with the TTL, and a counter
-``{prefix}fence:{name}`` that outlives it.
+State in Redis, per lock, with the lock's name as the hash tag (one Redis Cluster slot):
+a string ``{prefix}lock:{<name>}`` holding ``<token>|<fence>|<acquired_ms>|<owner>``
+with the TTL, and a counter ``{prefix}fence:{<name>}`` that outlives it. A counter
+that does not exist yet starts at the server's clock in microseconds, not at 0, so a
+counter that was lost (a flush, a failover to a replica that never had it) never
+hands out a token below one already written with ``fenced_update``.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
-from celery_explicit import metrics
+from celery_explicit import metrics, redis_state
 from celery_explicit.errors import LockConfigError, LockNotAcquired, LockNotOwned
-from celery_explicit.redis_functions import Library
-from celery_explicit.redis_state import PREFIX, live_strings
+from celery_explicit.redis_scripts import Script, call, tagged
+from celery_explicit.redis_state import live_strings
 
 logger = logging.getLogger("celery_explicit.locks")
 
@@ -42,49 +45,58 @@ logger = logging.getLogger("celery_explicit.locks")
 # is one SET NX PX; the 32-character token prefix is what release and extend compare.
 
 # KEYS[1] - the lock
-# KEYS[2] - the fencing counter (never expires)
+# KEYS[2] - the fencing counter (never expires; started at the server clock in us)
 # ARGV[1] - owner token (32 hex characters)
 # ARGV[2] - ttl in milliseconds
 # ARGV[3] - acquisition time in milliseconds (the client's clock; for display only)
 # ARGV[4] - owner description (host:pid)
 # return the new fencing token if acquired, otherwise false
-ACQUIRE = """
+ACQUIRE = Script(
+    "lock_acquire",
+    """
 if redis.call('exists', KEYS[1]) == 1 then
     return false
 end
+if redis.call('exists', KEYS[2]) == 0 then
+    local now = redis.call('time')
+    redis.call('set', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
+end
 local fence = redis.call('incr', KEYS[2])
-redis.call('set', KEYS[1], ARGV[1] .. '|' .. fence .. '|' .. ARGV[3] .. '|' .. ARGV[4],
+-- '%.0f': Lua would write a number this large as 1.7e+15.
+local written = string.format('%.0f', fence)
+redis.call('set', KEYS[1], ARGV[1] .. '|' .. written .. '|' .. ARGV[3] .. '|' .. ARGV[4],
            'PX', ARGV[2])
 return fence
-"""
+""",
+)
 
 # KEYS[1] - the lock
 # ARGV[1] - owner token
 # return 1 if released, otherwise 0
-RELEASE = """
+RELEASE = Script(
+    "lock_release",
+    """
 local value = redis.call('get', KEYS[1])
 if value and string.sub(value, 1, 32) == ARGV[1] then
     return redis.call('del', KEYS[1])
 end
 return 0
-"""
+""",
+)
 
 # KEYS[1] - the lock
 # ARGV[1] - owner token
 # ARGV[2] - new ttl in milliseconds, counted from now
 # return 1 if extended, otherwise 0
-EXTEND = """
+EXTEND = Script(
+    "lock_extend",
+    """
 local value = redis.call('get', KEYS[1])
 if value and string.sub(value, 1, 32) == ARGV[1] then
     return redis.call('pexpire', KEYS[1], ARGV[2])
 end
 return 0
-"""
-
-# Loaded once per Redis and called with FCALL (celery_explicit.redis_functions): on
-# Redis 7 that costs about a plain command; an EVALSHA costs more (bench P4).
-_LIBRARY = Library(
-    "celery_explicit_locks", {"acquire": ACQUIRE, "release": RELEASE, "extend": EXTEND}
+""",
 )
 
 
@@ -102,7 +114,7 @@ class LiveLock:
 class LeaseLock:
     """One named lock. Not reentrant; one instance per holder (it keeps the token)."""
 
-    def __init__(self, client: Any, name: str, *, ttl: float, prefix: str = PREFIX) -> None:
+    def __init__(self, client: Any, name: str, *, ttl: float, prefix: str | None = None) -> None:
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
             raise LockConfigError(
                 name, f"Lock {name}: ttl must be a positive number of seconds, got {ttl!r}"
@@ -112,8 +124,9 @@ class LeaseLock:
         self.client = client
         self.name = name
         self.ttl = float(ttl)
-        self.key = f"{prefix}lock:{name}"
-        self.fence_key = f"{prefix}fence:{name}"
+        head = prefix or redis_state.prefix()
+        self.key = f"{head}lock:{tagged(name)}"
+        self.fence_key = f"{head}fence:{tagged(name)}"
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self.token: str | None = None
         self.fence: int | None = None
@@ -133,9 +146,9 @@ class LeaseLock:
         deadline = start + max(0.0, wait)
         pause = 0.01
         while True:
-            fence = _LIBRARY.call(
+            fence = call(
                 self.client,
-                "acquire",
+                ACQUIRE,
                 [self.key, self.fence_key],
                 [token, self._ttl_ms, int(time.time() * 1000), self.owner],
             )
@@ -154,7 +167,7 @@ class LeaseLock:
         """Release, only if this token still owns the lock; else ``LockNotOwned``."""
         token = self._owned_token("release")
         self.token = None
-        if not _LIBRARY.call(self.client, "release", [self.key], [token]):
+        if not call(self.client, RELEASE, [self.key], [token]):
             self._lost("release", token)
 
     def extend(self, ttl: float | None = None) -> None:
@@ -169,7 +182,7 @@ class LeaseLock:
             )
         else:
             ttl_ms = _ms(ttl)
-        if not _LIBRARY.call(self.client, "extend", [self.key], [token, ttl_ms]):
+        if not call(self.client, EXTEND, [self.key], [token, ttl_ms]):
             self.token = None
             self._lost("extend", token)
 
@@ -214,11 +227,11 @@ class LeaseLock:
         raise LockNotOwned(self.name, action=action, token=token)
 
 
-def live_locks(client: Any, *, prefix: str = PREFIX) -> list[LiveLock]:
+def live_locks(client: Any, *, prefix: str | None = None) -> list[LiveLock]:
     """Every lock currently held, with owner, age and time left."""
     now_ms = time.time() * 1000
     found = []
-    for name, value, ttl_ms in live_strings(client, f"{prefix}lock:"):
+    for name, value, ttl_ms in live_strings(client, f"{prefix or redis_state.prefix()}lock:"):
         _token, fence, acquired_ms, owner = value.split("|", 3)
         found.append(
             LiveLock(

@@ -1,35 +1,34 @@
 """Per-entity ordering: jobs for one entity run one at a time, in publish order.
 
 Two workers that each take an event for order 7 ("paid", then "cancelled") can finish
-them in either order, and the entity ends up in whichever state was written last.
-A task that declares ``ordering_key = "order:{order_id}"`` gets, per rendered key:
-
-- a sequence number taken when the job is published (``INCR``): publish order is the
-  order, across every process that publishes;
-- a turn: the job whose number is next runs; a later one that is delivered first is
-  deferred (re-published a moment later, its pool slot free at once), never blocked
-  in a pool process;
-- the turn passes on when the job ends for good (success, dead letter, dropped), not
-  when it schedules a retry: the entity's later jobs wait for its retries.
+them in either order, and the entity ends up in whichever state was written last. A
+task that declares ``ordering_key = "order:{order_id}"`` gets, per rendered key: a
+number taken when the job is published (publish order is the order, across every
+publisher); a turn (the job whose number is next runs; a later one delivered first is
+deferred, never blocking a pool process); and the turn passes on when the job ends for
+good (success, dead letter, dropped), not when it schedules a retry.
 
 A job that will never come (its publish failed after it got its number, it was purged,
 its message was lost) would hold its entity forever. A failed publish gives its number
 back at once; otherwise, when the job ahead has shown no sign of life for
 ``ordering_gap`` seconds (default: twice the visibility timeout plus the backoff cap),
-the waiting job goes ahead, logged and counted. The job ahead shows life by holding
-its execution lease (``celery_explicit.execution_lease``) while it runs; between
-retries its next attempt must come within the gap. A straggler that arrives after it was
-skipped still runs: guard such writes with a version (``versioned_update``).
+the waiting job goes ahead, logged and counted. The job holding the turn shows life by
+its ``alive`` key, set when it takes the turn for its visibility timeout and extended
+by the worker's heartbeat while its handler runs (``celery_explicit.lease``); between
+retries its next attempt must come within the gap. A straggler that arrives after it
+was skipped still runs: guard such writes with a version (``versioned_update``).
 
-Never global ordering: only jobs that render the same key wait for each other.
-
-State in Redis (``EXPLICIT_REDIS_URL``), per key, expiring a week after last use:
-``{prefix}order:{key}:published`` (last number given), ``:next`` (whose turn),
-``:skipped`` (numbers given back), ``:waiting`` (since when the turn has not moved).
+State in Redis (``EXPLICIT_REDIS_URL``), per key, with the key as the hash tag (one
+Redis Cluster slot), expiring a week after last use: ``{prefix}order:{<key>}:published``
+(last number given), ``:next`` (whose turn), ``:skipped`` (numbers given back),
+``:waiting`` (since when the turn has not moved), ``:alive`` (the turn holder's task id).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import random
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -37,8 +36,48 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from celery_explicit import redis_state
-from celery_explicit.redis_state import PREFIX
+from celery_explicit import declarations, idempotency, metrics, redis_state
+from celery_explicit.execution import Execution
+from celery_explicit.redis_scripts import Script, call, tagged
+from celery_explicit.steps import RUN, Decision, Defer, Ending, Job
+
+logger = logging.getLogger("celery_explicit.ordering")
+_rng = random.SystemRandom()
+
+
+@dataclass(frozen=True)
+class Ordering:
+    key: idempotency.KeyDeclaration
+    #: Seconds a job waits for a missing earlier one before going ahead without it.
+    gap: float
+
+
+def declared(
+    cls: type,
+    params: tuple[str, ...],
+    takes_kwargs: bool,
+    refuse: declarations.Refuse,
+    visibility: float,
+    backoff_cap: float,
+) -> Ordering | None:
+    found = declarations.key_with_duration(
+        cls,
+        params,
+        takes_kwargs,
+        refuse,
+        key_attr="ordering_key",
+        duration_attr="ordering_gap",
+        example="'order:{order_id}'",
+        without_key="declare the entity whose jobs run in order, "
+        "e.g. ordering_key='order:{order_id}'",
+    )
+    if found is None:
+        return None
+    key, gap = found
+    # By default long enough for the job ahead to lose its lease, be redelivered and
+    # wait out a full backoff: only a job that will never come is skipped.
+    return Ordering(key=key, gap=2 * visibility + backoff_cap if gap is None else gap)
+
 
 #: Message headers: the rendered key and the job's number in it.
 KEY_HEADER = "explicit_ordering_key"
@@ -47,19 +86,26 @@ STATE_TTL = 7 * 24 * 3600
 
 # KEYS[1] - published counter
 # ARGV[1] - state ttl (s)
-PUBLISH = """
+# return the job's number in its entity's order
+PUBLISH = Script(
+    "ordering_publish",
+    """
 local seq = redis.call('incr', KEYS[1])
 redis.call('expire', KEYS[1], ARGV[1])
 return seq
-"""
+""",
+)
 
 # KEYS[1] - next   KEYS[2] - skipped set   KEYS[3] - waiting since (ms)
-# KEYS[4] - the job holding the turn (its task id)
+# KEYS[4] - alive: the task id of the job holding the turn, while it runs
 # ARGV[1] - this job's number   ARGV[2] - now (ms)   ARGV[3] - gap (ms)   ARGV[4] - ttl (s)
-# ARGV[5] - this job's task id  ARGV[6] - execution lease key prefix
+# ARGV[5] - this job's task id  ARGV[6] - its lease (ms): how long "alive" lasts unless
+#           the worker extends it
 # return {verdict, whose turn it is}: 1 run (its turn, or already passed), 0 wait,
 # 2 run after skipping the missing ones
-TURN = """
+TURN = Script(
+    "ordering_turn",
+    """
 local nxt = tonumber(redis.call('get', KEYS[1]) or '1')
 while redis.call('srem', KEYS[2], nxt) == 1 do
     nxt = nxt + 1
@@ -68,17 +114,16 @@ redis.call('set', KEYS[1], nxt, 'EX', ARGV[4])
 local seq = tonumber(ARGV[1])
 if seq == nxt then
     redis.call('del', KEYS[3])
-    redis.call('set', KEYS[4], ARGV[5], 'EX', ARGV[4])
+    redis.call('set', KEYS[4], ARGV[5], 'PX', ARGV[6])
     return {1, nxt}
 end
 if seq < nxt then
     return {1, nxt}
 end
--- The job holding the turn is alive while its execution lease exists (the worker
--- extends it): the gap clock counts only time in which nobody holds the turn. (The
--- lease key is built here, not passed in KEYS: one Redis, not a cluster.)
-local head = redis.call('get', KEYS[4])
-if head and redis.call('exists', ARGV[6] .. head) == 1 then
+-- The job holding the turn is alive while its "alive" key exists (the worker extends
+-- it while the handler runs): the gap clock counts only time in which nobody holds
+-- the turn.
+if redis.call('exists', KEYS[4]) == 1 then
     redis.call('del', KEYS[3])
 end
 local since = tonumber(redis.call('get', KEYS[3]) or '0')
@@ -89,18 +134,25 @@ end
 if tonumber(ARGV[2]) - since > tonumber(ARGV[3]) then
     redis.call('set', KEYS[1], seq, 'EX', ARGV[4])
     redis.call('del', KEYS[3])
-    redis.call('set', KEYS[4], ARGV[5], 'EX', ARGV[4])
+    redis.call('set', KEYS[4], ARGV[5], 'PX', ARGV[6])
     return {2, nxt}
 end
 return {0, nxt}
-"""
+""",
+)
 
-# KEYS[1] - next   KEYS[2] - waiting since   KEYS[3] - skipped set
-# ARGV[1] - this job's number   ARGV[2] - ttl
+# KEYS[1] - next   KEYS[2] - waiting since   KEYS[3] - skipped set   KEYS[4] - alive
+# ARGV[1] - this job's number   ARGV[2] - ttl   ARGV[3] - this job's task id
+# return 1 if the turn passed on, 0 if it was not this job's turn
 # The turn passes on only from the job that holds it. A job that ended for good before
 # its turn (bad input, the delivery limit, a dedup drop) gives its number back, so the
 # jobs behind it do not wait for it.
-DONE = """
+DONE = Script(
+    "ordering_done",
+    """
+if redis.call('get', KEYS[4]) == ARGV[3] then
+    redis.call('del', KEYS[4])
+end
 local nxt = tonumber(redis.call('get', KEYS[1]) or '1')
 local seq = tonumber(ARGV[1])
 if seq == nxt then
@@ -113,17 +165,35 @@ if seq > nxt then
     redis.call('expire', KEYS[3], ARGV[2])
 end
 return 0
-"""
+""",
+)
+
+# KEYS[1] - alive   ARGV[1] - the task id holding the turn
+# ARGV[2] - its lease in ms, extended; or 0: it stopped running (a retry, a deferral)
+# return 1 if that job held the turn (now extended or released), otherwise 0
+ALIVE = Script(
+    "ordering_alive",
+    """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then
+    return 0
+end
+if ARGV[2] == '0' then
+    return redis.call('del', KEYS[1])
+end
+return redis.call('pexpire', KEYS[1], ARGV[2])
+""",
+)
 
 
 def _keys(key: str) -> dict[str, str]:
-    base = f"{PREFIX}order:{key}"
+    # The entity's key is the hash tag: all of its state is on one Redis Cluster slot.
+    base = f"{redis_state.prefix()}order:{tagged(key)}"
     return {
         "published": f"{base}:published",
         "next": f"{base}:next",
         "skipped": f"{base}:skipped",
         "waiting": f"{base}:waiting",
-        "head": f"{base}:head",
+        "alive": f"{base}:alive",
     }
 
 
@@ -175,7 +245,7 @@ def record_numbers() -> Iterator[list[tuple[str, int]]]:
 def take_number(key: str, *, client: Any | None = None) -> int:
     """The job's place in its entity's order; taken just before it is published."""
     conn = client or redis_state.client()
-    seq = int(redis_state.script(conn, PUBLISH)(keys=[_keys(key)["published"]], args=[STATE_TTL]))
+    seq = int(call(conn, PUBLISH, [_keys(key)["published"]], [STATE_TTL]))
     recording = _recording.get()
     if recording is not None:
         recording.append((key, seq))
@@ -198,27 +268,45 @@ class Turn:
     skipped_ahead: bool = False
 
 
-def turn(key: str, seq: int, task_id: str, *, gap: float, client: Any | None = None) -> Turn:
-    """May job ``seq`` (task ``task_id``) of ``key`` run now?"""
-    from celery_explicit.execution_lease import lease_key
-
+def turn(
+    key: str, seq: int, task_id: str, *, gap: float, lease: float, client: Any | None = None
+) -> Turn:
+    """May job ``seq`` (task ``task_id``) of ``key`` run now? A job that gets the turn
+    is "alive" for ``lease`` seconds, unless extended (``alive_extensions``)."""
     conn = client or redis_state.client()
     names = _keys(key)
-    verdict, nxt = redis_state.script(conn, TURN)(
-        keys=[names["next"], names["skipped"], names["waiting"], names["head"]],
-        args=[seq, int(time.time() * 1000), int(gap * 1000), STATE_TTL, task_id, lease_key("")],
-    )
+    keys = [names["next"], names["skipped"], names["waiting"], names["alive"]]
+    now_ms, gap_ms, lease_ms = int(time.time() * 1000), int(gap * 1000), int(lease * 1000)
+    args = [seq, now_ms, gap_ms, STATE_TTL, task_id, max(1, lease_ms)]
+    verdict, nxt = call(conn, TURN, keys, args)
     return Turn(run=int(verdict) != 0, next_seq=int(nxt), skipped_ahead=int(verdict) == 2)
 
 
-def done(key: str, seq: int, *, client: Any | None = None) -> bool:
-    """Job ``seq`` ended for good: the next one's turn. False if it was not its turn
-    (a job ahead of its turn gives its number back instead)."""
+def done(key: str, seq: int, *, task_id: str = "", client: Any | None = None) -> bool:
+    """Job ``seq`` (task ``task_id``) ended for good: the next one's turn. False if it
+    was not its turn (a job ahead of its turn gives its number back instead)."""
     conn = client or redis_state.client()
     names = _keys(key)
-    done_script = redis_state.script(conn, DONE)
-    keys = [names["next"], names["waiting"], names["skipped"]]
-    return bool(done_script(keys=keys, args=[seq, STATE_TTL]))
+    keys = [names["next"], names["waiting"], names["skipped"], names["alive"]]
+    return bool(call(conn, DONE, keys, [seq, STATE_TTL, task_id]))
+
+
+def release_alive(key: str, task_id: str, *, client: Any | None = None) -> bool:
+    """The job holding ``key``'s turn stopped running without ending (a retry, a
+    deferral): the gap clock runs again until its next attempt comes."""
+    conn = client or redis_state.client()
+    return bool(call(conn, ALIVE, [_keys(key)["alive"]], [task_id, 0]))
+
+
+def alive_extensions(
+    running: list[tuple[str, str, float]],
+) -> list[tuple[Script, list[Any], list[Any]]]:
+    """The calls keeping ``(ordering key, task id, lease)`` turn holders alive, for the
+    worker's heartbeat pipeline (``celery_explicit.lease``)."""
+    return [
+        (ALIVE, [_keys(key)["alive"]], [task_id, max(1, int(lease * 1000))])
+        for key, task_id, lease in running
+    ]
 
 
 def position(key: str, *, client: Any | None = None) -> tuple[int, int]:
@@ -227,3 +315,85 @@ def position(key: str, *, client: Any | None = None) -> tuple[int, int]:
     names = _keys(key)
     published, nxt = conn.mget(names["published"], names["next"])
     return int(published or 0), int(nxt or 1)
+
+
+def pass_turn_on(place: tuple[str, int] | None, *, task: str, job_id: str | None) -> None:
+    """Job number ``place`` of its entity ended for good: the next one's turn."""
+    import redis
+
+    if place is None:
+        return
+    try:
+        done(*place, task_id=job_id or "")
+    except redis.RedisError:
+        logger.warning(
+            "ordering %s: could not pass the turn on (the next job waits out the gap)",
+            place[0],
+            extra={"task": task, "job_id": job_id},
+        )
+
+
+class OrderingStep:
+    """Run only when every earlier job of this entity has ended; defer otherwise.
+
+    The turn passes on when the job ends for good, whichever step ended it (a dead
+    letter, a dedup drop, bad input): not on a retry or a deferral, and not when a
+    newer execution took the job over (the turn is that one's to pass).
+    """
+
+    name = "ordering"
+
+    def __init__(self, task_name: str, gap: float, lease: float) -> None:
+        self.task_name, self.gap, self.lease = task_name, gap, lease
+
+    def before_run(self, job: Job) -> Decision:
+        import redis
+
+        place = place_of(job.request)
+        if place is None:
+            # Published without a number (before ordering_key was declared, or by
+            # send_task): it has no place to wait for.
+            return RUN
+        key, seq = place
+        fields = job.execution.log_fields()
+        try:
+            now = turn(key, seq, job.execution.task_id, gap=self.gap, lease=self.lease)
+        except redis.RedisError:
+            logger.warning("ordering of %s unavailable: running out of turn", key, extra=fields)
+            return RUN
+        if now.skipped_ahead:
+            metrics.ordering_skipped.labels(self.task_name).inc()
+            logger.warning(
+                "ordering %s: jobs %s..%s never came within %.0fs; job %s goes ahead",
+                key,
+                now.next_seq,
+                seq - 1,
+                self.gap,
+                seq,
+                extra=fields,
+            )
+        if now.run:
+            return RUN
+        metrics.ordering_deferred.labels(self.task_name).inc()
+        return Defer(
+            _rng.uniform(0.2, 1.0),
+            f"{key} job {seq} waits for job {now.next_seq}",
+            {"ordering_key": key},
+        )
+
+    def after_run(
+        self, request: Any, execution: Execution | None, ending: Ending, *, entered: bool
+    ) -> None:
+        import redis
+
+        place = place_of(request)
+        if execution is not None and execution.lost_lease:
+            return  # the newer execution holds the turn now
+        if not ending.goes_on:
+            pass_turn_on(place, task=self.task_name, job_id=request.id)
+        elif entered and place is not None:
+            # Not over (a retry, a deferral by a later step): it stops counting as
+            # alive, so a next attempt that never comes is skipped after the gap.
+            # Without Redis it expires with the lease instead.
+            with contextlib.suppress(redis.RedisError):
+                release_alive(place[0], str(request.id))

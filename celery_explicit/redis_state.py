@@ -1,29 +1,32 @@
 """Where the contracts keep their state in Redis: one key prefix, one client per process.
 
-Dedup marks, delivery counts and downstream limits live in the Redis named by
-``EXPLICIT_REDIS_URL`` (by default the broker, when it is Redis). Locks and leases take
-their client from the caller (locks) or the broker connection (leases) but share the
-prefix, so an operator finds everything under ``explicit:``.
+Dedup marks, delivery counts, ordering, downstream limits and execution leases live in
+the Redis named by ``EXPLICIT_REDIS_URL`` (by default the broker, when it is Redis).
+Locks take their client from the caller and message leases the broker's; every key we
+write starts with ``EXPLICIT_KEY_PREFIX`` (default ``explicit:``), so an operator finds
+everything under it. Lua goes through ``celery_explicit.redis_scripts``.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
-PREFIX = "explicit:"
+from celery_explicit.conf import settings
 
 _clients: dict[str, Any] = {}
 _clients_lock = threading.Lock()
 
 
+def prefix() -> str:
+    """``EXPLICIT_KEY_PREFIX``: the head of every key we write."""
+    return settings.key_prefix
+
+
 def client() -> Any:
     """The Redis client for ``EXPLICIT_REDIS_URL``, one per URL and process."""
     import redis
-
-    from django_outbox.conf import settings
 
     url = settings.redis_url
     with _clients_lock:
@@ -39,48 +42,9 @@ def text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-# Per client, weakly: a caller's client (a lock's, a test's) is not kept alive by us.
-_scripts: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-
-
-def script(conn: Any, source: str) -> Any:
-    """``conn.register_script(source)``, made once per client and script.
-
-    Registering hashes the source (SHA1) and builds an object; on the job path that
-    happens for every task, so it is kept.
-    """
-    try:
-        return _scripts[conn][source]
-    except KeyError:
-        registered = conn.register_script(source)
-        with _clients_lock:
-            _scripts.setdefault(conn, {})[source] = registered
-        return registered
-
-
-def run_pipelined(conn: Any, source: str, calls: Sequence[Sequence[Any]]) -> list[Any]:
-    """The script ``source`` once per ``keys + args`` list in ``calls``, in one round trip.
-
-    By its hash (``EVALSHA``) in a plain pipeline: a pipeline handed a redis-py Script
-    object first asks the server ``SCRIPT EXISTS``, a second round trip every time.
-    Where the server does not have the script yet, it is loaded and the pipeline sent
-    again. Each entry of ``calls`` is ``(number of keys, *keys, *args)``.
-    """
-    import redis
-
-    sha = script(conn, source).sha
-    for attempt in range(2):
-        pipe = conn.pipeline(transaction=False)
-        for call in calls:
-            pipe.evalsha(sha, *call)
-        replies = pipe.execute(raise_on_error=False)
-        if attempt or not any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
-            break
-        conn.script_load(source)
-    errors = [r for r in replies if isinstance(r, Exception)]
-    if errors:
-        raise errors[0]
-    return list(replies)
+def untag(name: str) -> str:
+    """A name as it was given, from a key part written as a hash tag (``{name}``)."""
+    return name[1:-1] if name.startswith("{") and name.endswith("}") else name
 
 
 def live_strings(client: Any, head: str) -> Iterator[tuple[str, str, int]]:
@@ -95,4 +59,4 @@ def live_strings(client: Any, head: str) -> Iterator[tuple[str, str, int]]:
         value, ttl_ms = pipe.execute()
         if value is None or int(ttl_ms) < 0:
             continue
-        yield key[len(head) :], text(value), int(ttl_ms)
+        yield untag(key[len(head) :]), text(value), int(ttl_ms)

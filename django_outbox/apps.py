@@ -9,7 +9,12 @@ class DjangoOutboxConfig(AppConfig):
     def ready(self) -> None:
         # Registers the system checks (django_outbox.E00x / W00x) and the worker-side
         # signal receivers that record messages the task code never sees.
+        from celery_explicit import store as explicit_store
         from django_outbox import (
             checks,  # noqa: F401
             receivers,  # noqa: F401
         )
+        from django_outbox.store import DjangoStore
+
+        # The job path records through this store: celery_explicit never imports us.
+        explicit_store.register(DjangoStore())

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from django.db import DatabaseError, connections
 
+from celery_explicit.store import Statement
 from django_outbox.conf import settings
-from django_outbox.ledger import Statement
 from django_outbox.models import Attempt, Outcome
 
 logger = logging.getLogger("django_outbox.audit")
@@ -68,7 +69,7 @@ def attempt_fields(
     )
 
 
-def insert_statement(fields: dict[str, Any], *, replace: bool = False) -> Statement:
+def insert_statement(fields: Mapping[str, Any], *, replace: bool = False) -> Statement:
     """SQL writing the row, to run inside the effect's transaction.
 
     ``replace=True``: this attempt already wrote its row in an earlier effect block of
@@ -88,7 +89,7 @@ def insert_statement(fields: dict[str, Any], *, replace: bool = False) -> Statem
     return (f"INSERT INTO {table} ({columns}) VALUES ({placeholders})", _params(connection, fields))
 
 
-def record_attempt(fields: dict[str, Any], *, replace: bool = False) -> None:
+def record_attempt(fields: Mapping[str, Any], *, replace: bool = False) -> None:
     """Write the row on its own (autocommit: it outlives a rolled-back effect).
 
     ``replace=True`` updates the row an effect block already committed for this attempt
@@ -107,11 +108,11 @@ def record_attempt(fields: dict[str, Any], *, replace: bool = False) -> None:
         logger.exception("could not record attempt", extra={"attempt_row": fields})
 
 
-def _params(connection: Any, fields: dict[str, Any]) -> list[Any]:
+def _params(connection: Any, fields: Mapping[str, Any]) -> list[Any]:
     return [_adapt(connection, value) for value in fields.values()]
 
 
-def _locator(connection: Any, fields: dict[str, Any]) -> list[Any]:
+def _locator(connection: Any, fields: Mapping[str, Any]) -> list[Any]:
     return [fields["task_id"], fields["attempt"], _adapt(connection, fields["started_at"])]
 
 

@@ -47,30 +47,35 @@ source. It is seen where the source is read anyway: each fill after a miss compa
 cached version with the source's, and ``verify()`` (call it periodically, or from a
 health check) does the same on demand and repairs a lost bump. Both count in
 ``stats()`` and in ``explicit_cache_stale_total``.
+
+This module holds the two helpers; their key templates are in ``cache_keys``, their
+Lua scripts (each with its KEYS/ARGV contract) in ``cache_scripts``, their counters in
+``cache_stats`` and their errors in ``django_outbox.errors``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
-import string
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Generic, NoReturn, TypeVar
-from uuid import UUID
+from typing import Any, Generic, TypeVar
 
 import redis
 from django.core.cache import caches
-from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django_redis.client import ShardClient
-from prometheus_client import Counter
 
-from celery_explicit.errors import ExplicitError
+from django_outbox.cache_keys import FieldValue, KeyTemplate, base_key
+from django_outbox.cache_scripts import BUMP, FILL, FILL_WITH_LEASE, READ_OR_LEASE, run_script
+from django_outbox.cache_stats import CacheStats, Counts
+
+# The errors live under the app's exception root (django_outbox.errors); imported here
+# too, where the code that raises them is, so ``from django_outbox.cache import
+# CacheKeyError`` keeps working.
+from django_outbox.errors import CacheConfigError, CacheKeyError
 
 __all__ = [
     "VersionedCache",
@@ -84,230 +89,6 @@ __all__ = [
 logger = logging.getLogger("django_outbox.cache")
 
 T = TypeVar("T")
-#: What a key field may hold. Not bool or float (True, 1.0 and 1 are equal in Python but
-#: would be three keys for one row), never None (every missing id would share one key).
-FieldValue = int | str | UUID
-
-
-# --- errors ----------------------------------------------------------------------------
-
-
-class CacheKeyError(ExplicitError, ValueError):
-    """The fields or version given to a cache do not fit its key template: fix the caller.
-
-    Carries ``cache_name`` and ``field`` (``"version"`` for a bad version).
-    """
-
-    def __init__(self, cache_name: str, field: str | None, message: str) -> None:
-        self.cache_name = cache_name
-        self.field = field
-        super().__init__(f"Cache {cache_name}: {message}")
-
-
-class CacheConfigError(ExplicitError, ImproperlyConfigured):
-    """A cache declared with a bad template or option, or over a backend that is not
-    django-redis. Carries ``cache_name`` and ``field`` (the template field or option)."""
-
-    def __init__(self, cache_name: str, field: str | None, message: str) -> None:
-        self.cache_name = cache_name
-        self.field = field
-        super().__init__(f"Cache {cache_name}: {message}")
-
-
-# --- metrics ---------------------------------------------------------------------------
-# Declared here rather than in celery_explicit.metrics: the cache is a django_outbox
-# feature, and a reader looking for its counters opens this file.
-
-reads = Counter(
-    "explicit_cache_reads_total",
-    "Reads through django_outbox.cache, by outcome: hit (one round trip) or miss "
-    "(the source was read).",
-    ["cache", "outcome"],
-)
-fills = Counter(
-    "explicit_cache_fills_total",
-    "Values written after a miss: stored, or refused because the cache already held a "
-    "newer version (versioned) or the fill lease was invalidated (cache-aside).",
-    ["cache", "outcome"],
-)
-stale_seen = Counter(
-    "explicit_cache_stale_total",
-    "Times the cache held a version older than the source's, as seen by a fill after a "
-    "miss or by verify(). Divide by explicit_cache_compared_total for a rate.",
-    ["cache", "seen_by"],
-)
-compared = Counter(
-    "explicit_cache_compared_total",
-    "Times the cached version was compared with the source's (fills and verify()).",
-    ["cache"],
-)
-invalidation_failures = Counter(
-    "explicit_cache_invalidation_failures_total",
-    "Bumps or invalidations that failed after their transaction committed: the cache may "
-    "serve the previous value until its timeout, or until verify() repairs it.",
-    ["cache"],
-)
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """What this process saw for one cache since it started (prefork: per child).
-
-    ``stale / compared`` is how often the cache was found behind the source.
-    """
-
-    hits: int = 0
-    misses: int = 0
-    stored: int = 0
-    refused: int = 0
-    compared: int = 0
-    stale: int = 0
-    invalidation_failures: int = 0
-
-
-class _Counts:
-    """Thread-safe in-process counts, each mirrored to its Prometheus child."""
-
-    def __init__(self, name: str) -> None:
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(CacheStats.__dataclass_fields__, 0)
-        # Children bound once: labels() takes a lock and a dict lookup on every call.
-        self._children = {
-            "hits": reads.labels(name, "hit"),
-            "misses": reads.labels(name, "miss"),
-            "stored": fills.labels(name, "stored"),
-            "refused": fills.labels(name, "refused"),
-            "compared": compared.labels(name),
-            "invalidation_failures": invalidation_failures.labels(name),
-        }
-        self._stale = {
-            "fill": stale_seen.labels(name, "fill"),
-            "verify": stale_seen.labels(name, "verify"),
-        }
-
-    def add(self, what: str) -> None:
-        with self._lock:
-            self._counts[what] += 1
-        self._children[what].inc()
-
-    def stale(self, seen_by: str) -> None:
-        with self._lock:
-            self._counts["stale"] += 1
-        self._stale[seen_by].inc()
-
-    def snapshot(self) -> CacheStats:
-        with self._lock:
-            return CacheStats(**self._counts)
-
-
-# --- key templates ---------------------------------------------------------------------
-
-
-class _Template:
-    """A parsed key template: the entity's name (up to the first ':') and its fields."""
-
-    def __init__(self, template: str, *, versioned: bool) -> None:
-        # The template names the entity; the helpers append ":ver" or ":lease" to it.
-        name = template.split(":", 1)[0] if isinstance(template, str) else ""
-        if not name or "{" in name or ":" not in template:
-            raise CacheConfigError(
-                str(template),
-                None,
-                f"key template {template!r} must start with a literal name and a colon, "
-                "e.g. 'user_profile:{user_id}'",
-            )
-        self.name = name
-        self.template = template
-        try:
-            parsed = list(string.Formatter().parse(template))
-        except ValueError as exc:  # an unmatched brace
-            raise CacheConfigError(name, None, f"key template {template!r}: {exc}") from exc
-        fields: list[str] = []
-        for _literal, field, spec, conversion in parsed:
-            if field is None:
-                continue
-            if not field.isidentifier():
-                raise CacheConfigError(
-                    name,
-                    field or None,
-                    f"field {{{field}}} in {template!r} must be a plain name: no positional "
-                    "fields, attributes or indexes (the caller passes each field by name)",
-                )
-            if spec or conversion:
-                raise CacheConfigError(
-                    name,
-                    field,
-                    f"field {{{field}}} in {template!r} has a format spec or conversion: "
-                    "two spellings of one value would be two keys for one row",
-                )
-            if field == "using":
-                raise CacheConfigError(
-                    name, field, "'using' is reserved (the cache's database option)"
-                )
-            fields.append(field)
-        if "version" in fields:
-            hint = (
-                "the version is stored with the value, not in the key (one GET per read)"
-                if versioned
-                else "use VersionedCache, which takes the version from the source"
-            )
-            raise CacheConfigError(
-                name, "version", f"key template {template!r} has a {{version}} field: {hint}"
-            )
-        self.fields = frozenset(fields)
-
-    def render(self, given: Mapping[str, object]) -> str:
-        """The entity's key (before the cache's prefix); ``CacheKeyError`` naming the field
-        that does not fit."""
-        if given.keys() != self.fields:
-            self._mismatch(given)
-        for field, value in given.items():
-            if type(value) is int or isinstance(value, UUID):
-                continue
-            if isinstance(value, str) and value and ":" not in value:
-                continue
-            self._bad_value(field, value)
-        return self.template.format_map(given)
-
-    def check_version(self, version: object, origin: str) -> int:
-        if type(version) is not int or version < 0:
-            raise CacheKeyError(
-                self.name,
-                "version",
-                f"version {origin} must be a non-negative integer, got {version!r}",
-            )
-        return version
-
-    def _mismatch(self, given: Mapping[str, object]) -> NoReturn:
-        if "version" in given:
-            raise CacheKeyError(
-                self.name,
-                "version",
-                "the version is not a key field: reads take it from the cache or the "
-                "source, bump() takes it as its first argument",
-            )
-        missing = sorted(self.fields - given.keys())
-        if missing:
-            raise CacheKeyError(
-                self.name, missing[0], f"field {missing[0]!r} is missing (key {self.template!r})"
-            )
-        unknown = sorted(given.keys() - self.fields)[0]
-        raise CacheKeyError(
-            self.name,
-            unknown,
-            f"field {unknown!r} is not in the key {self.template!r} "
-            f"(its fields: {', '.join(sorted(self.fields)) or 'none'})",
-        )
-
-    def _bad_value(self, field: str, value: object) -> NoReturn:
-        if value is None:
-            problem = "is None"
-        elif isinstance(value, str):
-            # "a:{x}:{y}" with x="1:2", y="3" and x="1", y="2:3" would be one key.
-            problem = "is empty" if not value else f"contains ':' ({value!r})"
-        else:
-            problem = f"is a {type(value).__name__} ({value!r}), not an int, str or UUID"
-        raise CacheKeyError(self.name, field, f"field {field!r} {problem} (key {self.template!r})")
 
 
 def _seconds(name: str, option: str, value: object) -> int:
@@ -322,110 +103,6 @@ def _seconds(name: str, option: str, value: object) -> int:
             name, option, f"{option}={value!r} must be a positive, finite number of seconds"
         )
     return max(1, int(value * 1000))
-
-
-# --- Redis -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Script:
-    """A Lua script run on whichever client the cache resolves at the call (redis-py's
-    ``register_script`` binds one client)."""
-
-    source: str
-    sha: str
-
-
-def _script(source: str) -> _Script:
-    return _Script(source, hashlib.sha1(source.encode()).hexdigest())
-
-
-def _run(client: Any, script: _Script, keys: list[str], args: list[Any]) -> Any:
-    """EVALSHA: one round trip. A Redis that lost its script cache (restart, SCRIPT FLUSH)
-    answers NOSCRIPT once; EVAL then sends the body, and caches it again."""
-    try:
-        return client.evalsha(script.sha, len(keys), *keys, *args)
-    except redis.exceptions.NoScriptError:
-        return client.eval(script.source, len(keys), *keys, *args)
-
-
-# Versions are compared as decimal strings (shorter is older, then byte order): exact for
-# any size, where Lua's tonumber() rounds above 2^53. Python writes them canonically.
-_OLDER = """
-local function older(a, b)
-    return #a < #b or (#a == #b and a < b)
-end
-"""
-
-# KEYS[1] - the pair: the cache's encoding of (version, value)
-# KEYS[2] - the version key (<identity>:ver)
-# ARGV[1] - the version the source returned (decimal)
-# ARGV[2] - the pair, encoded by the cache's serializer
-# ARGV[3] - the pair's ttl in milliseconds
-# return {1 if stored else 0, the version held before (false if none)}: stored, and the
-#   version key set to ARGV[1], only if that version was not newer
-_FILL = _script(
-    _OLDER
-    + """
-local current = redis.call('get', KEYS[2])
-if current and older(ARGV[1], current) then
-    return {0, current}
-end
-redis.call('set', KEYS[2], ARGV[1])
-redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3])
-return {1, current}
-"""
-)
-
-# KEYS[1] - the pair
-# KEYS[2] - the version key
-# ARGV[1] - the committed version
-# return the version held before (false if none); if that was older, or none, the
-#   version key now holds ARGV[1] and the pair, of an older version, is deleted
-_BUMP = _script(
-    _OLDER
-    + """
-local current = redis.call('get', KEYS[2])
-if current and not older(current, ARGV[1]) then
-    return current
-end
-redis.call('set', KEYS[2], ARGV[1])
-redis.call('del', KEYS[1])
-return current
-"""
-)
-
-# KEYS[1] - the value
-# KEYS[2] - the fill lease
-# ARGV[1] - a new lease token
-# ARGV[2] - lease ttl in milliseconds
-# return {value, 0} if it is cached by now, {false, 1} when this reader got the lease,
-#   {false, 0} when another reader holds it (read the source, do not fill)
-_READ_OR_LEASE = _script("""
-local value = redis.call('get', KEYS[1])
-if value then
-    return {value, 0}
-end
-if redis.call('set', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    return {false, 1}
-end
-return {false, 0}
-""")
-
-# KEYS[1] - the value
-# KEYS[2] - the fill lease
-# ARGV[1] - the lease token this reader got
-# ARGV[2] - the value, encoded by the cache's serializer
-# ARGV[3] - the value's ttl in milliseconds
-# return 1 if stored (the lease was still this reader's), otherwise 0
-_FILL_WITH_LEASE = _script("""
-if redis.call('get', KEYS[2]) ~= ARGV[1] then
-    return 0
-end
-redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3])
-redis.call('del', KEYS[2])
-return 1
-""")
 
 
 _SUPPORTED: set[type] = set()
@@ -445,17 +122,6 @@ def _cache_client(alias: str, name: str) -> Any:
             )
         _SUPPORTED.add(type(client))
     return client
-
-
-def _base_key(client: Any, name: str, identity: str) -> str:
-    base: str = client.make_key(identity)  # a CacheKey: a str
-    # ":ver" and ":lease" are appended to the made key; a KEY_FUNCTION that hashes or
-    # reorders the key would put them somewhere else.
-    if not base.endswith(identity):
-        raise CacheConfigError(
-            name, "cache", "the cache's KEY_FUNCTION must end the Redis key with the key given"
-        )
-    return base
 
 
 # --- the helpers -----------------------------------------------------------------------
@@ -489,13 +155,13 @@ class VersionedCache(Generic[T]):
         cache: str = "default",
         using: str = DEFAULT_DB_ALIAS,
     ) -> None:
-        self._template = _Template(key, versioned=True)
+        self._template = KeyTemplate(key, versioned=True)
         self.name = self._template.name
         self._source = source
         self._ttl_ms = _seconds(self.name, "timeout", timeout)
         self._cache = cache
         self._using = using
-        self._counts = _Counts(self.name)
+        self._counts = Counts(self.name)
 
     def get(self, **fields: FieldValue) -> T:
         """The value at the newest version cached: one GET on a hit, else the source."""
@@ -515,7 +181,7 @@ class VersionedCache(Generic[T]):
         version = self._template.check_version(version, "given to bump()")
         identity = self._template.render(fields)
         client = _cache_client(self._cache, self.name)
-        key = _base_key(client, self.name, identity)
+        key = base_key(client, self.name, identity)
         transaction.on_commit(partial(self._bump, client, key, version), using=self._using)
 
     def verify(self, **fields: FieldValue) -> Verification:
@@ -527,7 +193,7 @@ class VersionedCache(Generic[T]):
         """
         identity = self._template.render(fields)
         client = _cache_client(self._cache, self.name)
-        key = _base_key(client, self.name, identity)
+        key = base_key(client, self.name, identity)
         _, version = self._load(fields)
         raw = client.get_client(True).get(key + ":ver")
         cached = None if raw is None else int(raw)
@@ -553,7 +219,7 @@ class VersionedCache(Generic[T]):
     def _read(self, fields: Mapping[str, FieldValue]) -> tuple[T, int]:
         identity = self._template.render(fields)
         client = _cache_client(self._cache, self.name)
-        key = _base_key(client, self.name, identity)
+        key = base_key(client, self.name, identity)
         # The primary (write=True), even for a read: a replica may not have the last bump.
         raw = client.get_client(True).get(key)
         if raw is not None:
@@ -580,9 +246,9 @@ class VersionedCache(Generic[T]):
 
     def _fill(self, client: Any, key: str, version: int, encoded: Any) -> None:
         try:
-            stored, previous = _run(
+            stored, previous = run_script(
                 client.get_client(True),
-                _FILL,
+                FILL,
                 [key, key + ":ver"],
                 [version, encoded, self._ttl_ms],
             )
@@ -599,7 +265,7 @@ class VersionedCache(Generic[T]):
 
     def _bump(self, client: Any, key: str, version: int) -> None:
         try:
-            _run(client.get_client(True), _BUMP, [key, key + ":ver"], [version])
+            run_script(client.get_client(True), BUMP, [key, key + ":ver"], [version])
         except redis.RedisError:
             # The transaction has committed: raising would report a failure for a write
             # that happened. The previous value stays until its timeout or verify().
@@ -633,26 +299,26 @@ class CacheAside(Generic[T]):
         cache: str = "default",
         using: str = DEFAULT_DB_ALIAS,
     ) -> None:
-        self._template = _Template(key, versioned=False)
+        self._template = KeyTemplate(key, versioned=False)
         self.name = self._template.name
         self._source = source
         self._ttl_ms = _seconds(self.name, "timeout", timeout)
         self._lease_ms = _seconds(self.name, "lease", lease)
         self._cache = cache
         self._using = using
-        self._counts = _Counts(self.name)
+        self._counts = Counts(self.name)
 
     def get(self, **fields: FieldValue) -> T:
         """The cached value (one GET), else the source's."""
         identity = self._template.render(fields)
         client = _cache_client(self._cache, self.name)
-        key = _base_key(client, self.name, identity)
+        key = base_key(client, self.name, identity)
         redis_client = client.get_client(True)
         raw = redis_client.get(key)
         if raw is None:
             # A miss costs a second round trip, for the lease: hits stay a plain GET.
             keys, token = [key, key + ":lease"], os.urandom(8).hex()
-            raw, leased = _run(redis_client, _READ_OR_LEASE, keys, [token, self._lease_ms])
+            raw, leased = run_script(redis_client, READ_OR_LEASE, keys, [token, self._lease_ms])
             if raw is None:
                 self._counts.add("misses")
                 value = self._source(**fields)
@@ -675,7 +341,7 @@ class CacheAside(Generic[T]):
         """
         identity = self._template.render(fields)
         client = _cache_client(self._cache, self.name)
-        base = _base_key(client, self.name, identity)
+        base = base_key(client, self.name, identity)
         transaction.on_commit(partial(self._delete, client, base), using=self._using)
 
     def stats(self) -> CacheStats:
@@ -684,8 +350,8 @@ class CacheAside(Generic[T]):
 
     def _fill(self, client: Any, keys: list[str], token: str, encoded: Any) -> None:
         try:
-            stored = _run(
-                client.get_client(True), _FILL_WITH_LEASE, keys, [token, encoded, self._ttl_ms]
+            stored = run_script(
+                client.get_client(True), FILL_WITH_LEASE, keys, [token, encoded, self._ttl_ms]
             )
         except redis.RedisError:
             logger.warning("cache %s: fill of %s failed", self.name, keys[0], exc_info=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from django.db import DatabaseError, connections, transaction
@@ -29,22 +28,9 @@ from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
 from celery_explicit.errors import IdempotencyConflict, LeaseLost
+from celery_explicit.store import Effect, Statement
 from django_outbox.conf import settings
 from django_outbox.models import Fence, ProcessedOperation
-
-Statement = tuple[str, Sequence[Any]]
-
-
-@dataclass
-class Effect:
-    key: str
-    fingerprint: str
-    #: True when this key's effect already committed: do nothing, say so.
-    done: bool
-    #: A reference to the effect's result (a row id, a downstream id). Set it inside the
-    #: block; it is stored with the ledger row and handed to every later duplicate.
-    result_ref: str = ""
-
 
 _table = ProcessedOperation._meta.db_table
 # ON CONFLICT DO NOTHING: the insert that loses the race neither raises (which would
@@ -252,3 +238,26 @@ def _round_trips(connection: Any) -> _RoundTrips | None:
     if raw.pgconn.transaction_status != pq.TransactionStatus.IDLE:
         return None
     return _RoundTrips(connection, raw)
+
+
+def record_takeover(task_id: str, key: str, fence: int, previous: str) -> None:
+    """Announce the newer fence of job ``task_id``, before its new execution runs.
+
+    Autocommit and upsert-to-the-larger: a stale holder's ``effect()`` reads this row
+    in its commit (``_FENCE_SQL`` above). Written only on a takeover, so the common
+    path never pays for it.
+    """
+    connection = connections[settings.database]
+    with connection.cursor() as cursor:
+        cursor.execute(_TAKEOVER_SQL, [task_id, fence, key[:255], previous[:255], timezone.now()])
+
+
+_TAKEOVER_SQL = (
+    f"INSERT INTO {_fence_table} (task_id, token, idempotency_key, taken_over_from, "
+    "taken_over_at) VALUES (%s, %s, %s, %s, %s) ON CONFLICT (task_id) DO UPDATE "
+    "SET token = excluded.token, idempotency_key = excluded.idempotency_key, "
+    "taken_over_from = excluded.taken_over_from, taken_over_at = excluded.taken_over_at "
+    f"WHERE {_fence_table}.token < excluded.token"
+)
+
+__all__ = ["Effect", "Statement", "effect", "record_takeover"]

@@ -21,34 +21,10 @@ from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Now
 
-
-class Outcome(models.TextChoices):
-    """How one attempt (one execution of the handler) ended."""
-
-    APPLIED = "applied", "effect applied"
-    ALREADY_APPLIED = "already_applied", "already applied (duplicate absorbed)"
-    SUCCEEDED = "succeeded", "succeeded (no effect block)"
-    RETRY_SCHEDULED = "retry_scheduled", "retry scheduled"
-    FAILED_PERMANENT = "failed_permanent", "failed: permanent error"
-    FAILED_UNCLASSIFIED = "failed_unclassified", "failed: unclassified error"
-    EXHAUSTED = "exhausted", "failed: attempts exhausted"
-    BAD_INPUT = "bad_input", "bad input"
-    CONFLICT = "conflict", "idempotency conflict (other arguments)"
-    DEDUPLICATED = "deduplicated", "dropped: another message owns its dedup id"
-    DELIVERY_LIMIT = "delivery_limit", "not run: delivered more than max_deliveries times"
-    MAX_RUN_TIME = "max_run_time", "stopped: ran longer than max_run_time"
-    FENCED = "fenced", "refused: lost its lease to a newer execution (stale fencing token)"
-
-
-class DeadLetterReason(models.TextChoices):
-    PERMANENT = "permanent", "permanent error"
-    UNCLASSIFIED = "unclassified", "unclassified error (classify it)"
-    EXHAUSTED = "exhausted", "attempts exhausted"
-    BAD_INPUT = "bad_input", "bad input"
-    CONFLICT = "conflict", "idempotency conflict"
-    DELIVERY_LIMIT = "delivery_limit", "delivered more than max_deliveries times"
-    MAX_RUN_TIME = "max_run_time", "ran longer than max_run_time"
-    UNKNOWN_TASK = "unknown_task", "no such task is registered"
+# Re-exported: the enums of our data are the Celery side's words (celery_explicit.outcomes).
+from celery_explicit.outcomes import DeadLetterReason as DeadLetterReason
+from celery_explicit.outcomes import Outcome as Outcome
+from django_outbox.claim import OutboxEventManager
 
 
 class DeadLetterStatus(models.TextChoices):
@@ -74,11 +50,13 @@ class ProcessedOperation(models.Model):
     processed_at = models.DateTimeField()
 
     class Meta:
-        db_table = "django_outbox_effect"
+        # Named after the model (it was django_outbox_effect until 0007): one name for
+        # the ledger row in Python, SQL and the docs.
+        db_table = "django_outbox_processed_operation"
         verbose_name = "effect (ledger)"
         verbose_name_plural = "effect ledger"
         indexes = [
-            models.Index(fields=["processed_at"], name="django_outbox_effect_at_idx"),
+            models.Index(fields=["processed_at"], name="django_outbox_processed_at_idx"),
         ]
 
     def __str__(self) -> str:
@@ -268,7 +246,8 @@ class OutboxEvent(models.Model):
     attempts = models.PositiveIntegerField(default=0, help_text="publish attempts")
     last_error = models.TextField(blank=True, default="")
 
-    objects = OutboxEventQuerySet.as_manager()
+    # The queryset's methods, and the relay's claim (django_outbox.claim).
+    objects = OutboxEventManager.from_queryset(OutboxEventQuerySet)()
 
     class Meta:
         db_table = "django_outbox_event"

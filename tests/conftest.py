@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.workers import Worker
+from tests.support.workers import Worker
 
 
 @pytest.fixture(scope="session")
@@ -51,16 +51,17 @@ def broker(request: pytest.FixtureRequest, queue: str) -> Iterator[str]:
 
 @pytest.fixture
 def start_relay(transactional_db: None, queue: str, tmp_path: Path) -> Iterator[Any]:
-    """Start ``manage.py outbox_relay`` processes on this test's queue (tests/relays.py);
-    all are stopped before the tables are flushed."""
-    from tests.relays import relay_starter
+    """Start ``manage.py outbox_relay`` processes on this test's queue
+    (tests/support/relays.py); all are stopped before the tables are flushed."""
+    from tests.support.relays import relay_starter
 
     yield from relay_starter(queue, tmp_path)
 
 
 @pytest.fixture
-def start_worker(transactional_db: None, queue: str, tmp_path: Path,
-                 redis_client: redis.Redis) -> Iterator[Callable[..., Worker]]:
+def start_worker(
+    transactional_db: None, queue: str, tmp_path: Path, redis_client: redis.Redis
+) -> Iterator[Callable[..., Worker]]:
     """Start real worker processes on this test's queue; all are stopped afterwards.
 
     Depends on ``transactional_db`` so the workers (separate processes) see committed
@@ -91,5 +92,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if skipped and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         if reporter:
-            reporter.write_line(f"FAILED: {skipped} test(s) skipped; the suite must not skip",
-                                red=True)
+            reporter.write_line(
+                f"FAILED: {skipped} test(s) skipped; the suite must not skip", red=True
+            )

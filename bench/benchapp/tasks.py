@@ -79,8 +79,11 @@ def floor_update(row_id: int, op_id: str) -> None:
     connection.ensure_connection()
     raw = connection.connection
     key = f"bench:{op_id}"
-    claim = sql.SQL(ledger._CLAIM_SQL.replace("%s", "{}")).format(
-        key, "bench.floor_update", op_id, "f", sql.SQL("now()")).as_string(raw)
+    claim = (
+        sql.SQL(ledger._CLAIM_SQL.replace("%s", "{}"))
+        .format(key, "bench.floor_update", op_id, "f", sql.SQL("now()"))
+        .as_string(raw)
+    )
     with transaction.atomic():
         claimed = raw.pgconn.exec_(f"BEGIN; {claim}".encode())
         assert claimed.ntuples == 1, claimed.error_message  # a fresh key: the claim won

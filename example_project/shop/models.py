@@ -8,8 +8,9 @@ class PaymentStatus(models.TextChoices):
 
 class Payment(models.Model):
     amount_cents = models.PositiveIntegerField()
-    status = models.CharField(max_length=16, choices=PaymentStatus.choices,
-                              default=PaymentStatus.AUTHORIZED)
+    status = models.CharField(
+        max_length=16, choices=PaymentStatus.choices, default=PaymentStatus.AUTHORIZED
+    )
     #: How many times money actually moved: must never exceed 1.
     captures = models.PositiveIntegerField(default=0)
 
@@ -26,8 +27,9 @@ class InvoiceStatus(models.TextChoices):
 
 class Invoice(models.Model):
     email = models.CharField(max_length=200)
-    status = models.CharField(max_length=20, choices=InvoiceStatus.choices,
-                              default=InvoiceStatus.PENDING)
+    status = models.CharField(
+        max_length=20, choices=InvoiceStatus.choices, default=InvoiceStatus.PENDING
+    )
 
     def __str__(self) -> str:
         return f"invoice {self.pk} ({self.status})"

@@ -67,7 +67,8 @@ class CapturePayment(ExplicitTask):
             # The gateway call would carry self.request.idempotency_key as its
             # Idempotency-Key header, so the gateway too can refuse a second capture.
             Payment.objects.filter(id=payment_id, status=PaymentStatus.AUTHORIZED).update(
-                status=PaymentStatus.CAPTURED, captures=F("captures") + 1)
+                status=PaymentStatus.CAPTURED, captures=F("captures") + 1
+            )
             captured.result_ref = f"capture-{payment_id}"
         return captured.result_ref
 
@@ -102,9 +103,15 @@ class SyncStock(ExplicitTask):
             StockLevel.objects.filter(sku=sku).update(synced_quantity=quantity)
 
 
-@app.task(base=ExplicitTask, name="shop.send_invoice_email",
-          idempotency_key="invoice:{invoice_id}:send_email", visibility_timeout=120,
-          expected_duration=10, retry_on=(GatewayTimeout,), fail_on=(InvalidAddress,))
+@app.task(
+    base=ExplicitTask,
+    name="shop.send_invoice_email",
+    idempotency_key="invoice:{invoice_id}:send_email",
+    visibility_timeout=120,
+    expected_duration=10,
+    retry_on=(GatewayTimeout,),
+    fail_on=(InvalidAddress,),
+)
 def send_invoice_email(invoice_id: int) -> None:
     invoice = Invoice.objects.get(id=invoice_id)
     if "@" not in invoice.email:
@@ -137,8 +144,7 @@ class ShipOrder(ExplicitTask):
         with self.effect() as shipped:
             if shipped.done:
                 return
-            Order.objects.filter(id=order_id).update(shipments=F("shipments") + 1,
-                                                     status="shipped")
+            Order.objects.filter(id=order_id).update(shipments=F("shipments") + 1, status="shipped")
 
 
 class ApplyOrderStatus(ExplicitTask):
@@ -157,8 +163,12 @@ class ApplyOrderStatus(ExplicitTask):
         with self.effect() as applied:
             if applied.done:
                 return
-            versioned_update(Order.objects.filter(id=order_id), version=seq,
-                             field="status_version", status=status)
+            versioned_update(
+                Order.objects.filter(id=order_id),
+                version=seq,
+                field="status_version",
+                status=status,
+            )
             ORDER_STATUS.bump(seq, order_id=order_id)  # runs after the commit
 
 
@@ -204,14 +214,22 @@ class RebuildSalesReport(ExplicitTask):
     def run(self, day: str, run_id: str, aggregate_seconds: float = 0.0) -> int:
         lock = LeaseLock(_redis(), f"report:{day}", ttl=10.0)
         with lock.hold(wait=0) as fence:  # held elsewhere: LockNotAcquired, retried
-            total = Payment.objects.filter(status=PaymentStatus.CAPTURED).aggregate(
-                total=Sum("amount_cents"))["total"] or 0
+            total = (
+                Payment.objects.filter(status=PaymentStatus.CAPTURED).aggregate(
+                    total=Sum("amount_cents")
+                )["total"]
+                or 0
+            )
             time.sleep(aggregate_seconds)  # a slow aggregation, inside the lock's TTL
             with self.effect() as rebuilt:
                 if rebuilt.done:
                     return int(rebuilt.result_ref.split()[-1])
-                fenced_update(SalesReport.objects.filter(day=date.fromisoformat(day)),
-                              token=fence, total_cents=total, rebuilds=F("rebuilds") + 1)
+                fenced_update(
+                    SalesReport.objects.filter(day=date.fromisoformat(day)),
+                    token=fence,
+                    total_cents=total,
+                    rebuilds=F("rebuilds") + 1,
+                )
                 rebuilt.result_ref = f"fencing token {fence}"
         return fence
 

@@ -36,32 +36,43 @@ MIDDLEWARE = [
 ]
 ROOT_URLCONF = "shop_project.urls"
 STATIC_URL = "static/"
-TEMPLATES = [{
-    "BACKEND": "django.template.backends.django.DjangoTemplates",
-    "APP_DIRS": True,
-    "OPTIONS": {"context_processors": [
-        "django.template.context_processors.request",
-        "django.contrib.auth.context_processors.auth",
-        "django.contrib.messages.context_processors.messages",
-    ]},
-}]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
 
 if os.environ.get("SHOP_DATABASE") == "postgres":
-    DATABASES = {"default": {
-        "ENGINE": "django.db.backends.postgresql",
-        "HOST": os.environ.get("PGHOST", "127.0.0.1"),
-        "USER": os.environ.get("PGUSER", "postgres"),
-        "NAME": os.environ.get("PGDATABASE", "shop"),
-    }}
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.postgresql",
+            "HOST": os.environ.get("PGHOST", "127.0.0.1"),
+            "USER": os.environ.get("PGUSER", "postgres"),
+            "NAME": os.environ.get("PGDATABASE", "shop"),
+        }
+    }
 else:
-    DATABASES = {"default": {
-        "ENGINE": "django.db.backends.sqlite3",
-        "NAME": STATE_DIR / "shop.sqlite3",
-        # Worker processes write concurrently: take the write lock at BEGIN (so the
-        # busy timeout applies instead of an immediate "database is locked"), in WAL mode.
-        "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 20,
-                    "init_command": "PRAGMA journal_mode=WAL;"},
-    }}
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": STATE_DIR / "shop.sqlite3",
+            # Worker processes write concurrently: take the write lock at BEGIN (so the
+            # busy timeout applies instead of an immediate "database is locked"), in WAL mode.
+            "OPTIONS": {
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 20,
+                "init_command": "PRAGMA journal_mode=WAL;",
+            },
+        }
+    }
 
 CELERY_BROKER_URL = os.environ.get("SHOP_REDIS_URL", "redis://127.0.0.1:6379/0")
 CELERY_TASK_IGNORE_RESULT = True
@@ -83,8 +94,10 @@ CELERY_DB_REUSE_MAX = 1000
 
 EXPLICIT_CELERY_APP = "shop_project.celery.app"
 # django_outbox.cache runs on django-redis (the demo points it at its own Redis).
-CACHES = {"default": {
-    "BACKEND": "django_redis.cache.RedisCache",
-    "LOCATION": os.environ.get("SHOP_REDIS_URL", "redis://127.0.0.1:6379/0"),
-    "KEY_PREFIX": "shop",
-}}
+CACHES = {
+    "default": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": os.environ.get("SHOP_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        "KEY_PREFIX": "shop",
+    }
+}

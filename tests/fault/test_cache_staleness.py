@@ -68,8 +68,12 @@ def slow_row(*, user_id: int) -> dict[str, Any]:
     return value
 
 
-def commit(version: int, *, before: Callable[[], Any] = lambda: None,
-           inside: Callable[[], Any] = lambda: None) -> None:
+def commit(
+    version: int,
+    *,
+    before: Callable[[], Any] = lambda: None,
+    inside: Callable[[], Any] = lambda: None,
+) -> None:
     before()
     with transaction.atomic():
         CachedProfile.objects.filter(user_id=1).update(name=f"name-{version}", version=version)
@@ -85,16 +89,21 @@ def naive_read() -> dict[str, Any]:
     return value
 
 
-VARIANTS = ["versioned", "cache-aside",
-            "negative-control-bump-before-commit", "negative-control-naive-cache-aside"]
+VARIANTS = [
+    "versioned",
+    "cache-aside",
+    "negative-control-bump-before-commit",
+    "negative-control-naive-cache-aside",
+]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_no_read_returns_a_version_older_than_the_last_bump(prefix: str, variant: str) -> None:
     CachedProfile.objects.create(user_id=1, name="name-1", version=1)
-    profiles = VersionedCache("user_profile:{user_id}",
-                              source=lambda *, user_id: (v := slow_row(user_id=user_id),
-                                                         v["version"]))
+    profiles = VersionedCache(
+        "user_profile:{user_id}",
+        source=lambda *, user_id: (v := slow_row(user_id=user_id), v["version"]),
+    )
     names = CacheAside("user_name:{user_id}", source=slow_row)
     floor = [1]  # the newest version whose bump or invalidation has completed
 
@@ -107,21 +116,41 @@ def test_no_read_returns_a_version_older_than_the_last_bump(prefix: str, variant
     write: Callable[[int], None]
     if variant == "versioned":
         read = lambda: profiles.get(user_id=1)  # noqa: E731
-        write = lambda v: commit(v, inside=lambda: (  # noqa: E731
-            profiles.bump(v, user_id=1), visible(v)))
+        write = lambda v: commit(  # noqa: E731
+            v,
+            inside=lambda: (
+                profiles.bump(v, user_id=1),
+                visible(v),
+            ),
+        )
     elif variant == "cache-aside":
         read = lambda: names.get(user_id=1)  # noqa: E731
-        write = lambda v: commit(v, inside=lambda: (  # noqa: E731
-            names.invalidate(user_id=1), visible(v)))
+        write = lambda v: commit(  # noqa: E731
+            v,
+            inside=lambda: (
+                names.invalidate(user_id=1),
+                visible(v),
+            ),
+        )
     elif variant == "negative-control-bump-before-commit":
         read = lambda: profiles.get(user_id=1)  # noqa: E731
         # Outside a transaction bump() applies at once: here, before the write commits.
-        write = lambda v: commit(v, before=lambda: (  # noqa: E731
-            profiles.bump(v, user_id=1), visible(v)))
+        write = lambda v: commit(  # noqa: E731
+            v,
+            before=lambda: (
+                profiles.bump(v, user_id=1),
+                visible(v),
+            ),
+        )
     else:
         read = naive_read
-        write = lambda v: commit(v, inside=lambda: (  # noqa: E731
-            transaction.on_commit(lambda: django_cache.delete("naive:1")), visible(v)))
+        write = lambda v: commit(  # noqa: E731
+            v,
+            inside=lambda: (
+                transaction.on_commit(lambda: django_cache.delete("naive:1")),
+                visible(v),
+            ),
+        )
 
     stop = threading.Event()
     tallies: list[Tally[str]] = []
@@ -192,7 +221,8 @@ def test_verify_counts_exactly_the_entities_whose_last_bump_was_lost(
     name = f"profile_{uuid.uuid4().hex[:6]}"
     profiles = VersionedCache(name + ":{user_id}", source=load)
     CachedProfile.objects.bulk_create(
-        CachedProfile(user_id=i, name="v1", version=1) for i in entities)
+        CachedProfile(user_id=i, name="v1", version=1) for i in entities
+    )
     for i in entities:
         profiles.get(user_id=i)
     dice = random.Random(20261129)
@@ -201,8 +231,7 @@ def test_verify_counts_exactly_the_entities_whose_last_bump_was_lost(
         for version in range(2, writes + 2):
             lost = dice.random() < 0.3
             with transaction.atomic():
-                CachedProfile.objects.filter(user_id=i).update(name=f"v{version}",
-                                                              version=version)
+                CachedProfile.objects.filter(user_id=i).update(name=f"v{version}", version=version)
                 if not lost:
                     profiles.bump(version, user_id=i)
             last_bump_lost.discard(i)
@@ -217,8 +246,9 @@ def test_verify_counts_exactly_the_entities_whose_last_bump_was_lost(
     stats = profiles.stats()
     assert stats.stale == len(last_bump_lost)
     assert stats.compared == len(entities) * 2  # the first fills, then one verify each
-    assert metric("explicit_cache_stale_total", cache=name,
-                  seen_by="verify") - stale_before == len(last_bump_lost)
+    assert metric("explicit_cache_stale_total", cache=name, seen_by="verify") - stale_before == len(
+        last_bump_lost
+    )
     # Repaired: every reader now gets the source's version, and nothing is stale anymore.
     for i in entities:
         assert profiles.get_versioned(user_id=i)[1] == writes + 1

@@ -7,15 +7,16 @@ import uuid
 import pytest
 
 from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, Outcome
+from tests.support.waiting import wait_for
 from tests.testapp.models import Counter
 from tests.testapp.tasks import Increment, KillsItsWorker, KillsItsWorkerUnlimited
-from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 
-def test_poison_message_goes_to_dead_letters_after_max_deliveries(start_worker, queue,
-                                                                   redis_client) -> None:
+def test_poison_message_goes_to_dead_letters_after_max_deliveries(
+    start_worker, queue, redis_client
+) -> None:
     Counter.objects.create(name="after-poison")
     worker = start_worker()
     job = uuid.uuid4().hex[:8]
@@ -33,12 +34,16 @@ def test_poison_message_goes_to_dead_letters_after_max_deliveries(start_worker, 
     assert worker.alive()
 
 
-def test_negative_control_without_a_reachable_limit_the_poison_loops(start_worker, queue,
-                                                                     redis_client) -> None:
+def test_negative_control_without_a_reachable_limit_the_poison_loops(
+    start_worker, queue, redis_client
+) -> None:
     start_worker()
     job = uuid.uuid4().hex[:8]
     KillsItsWorkerUnlimited().apply_async(args=[job], queue=queue)
     # Well past the limit the other test enforces, and still no dead letter.
-    wait_for(lambda: redis_client.llen(f"ran:{job}") >= 6, timeout=60,
-             what="the poison message delivered again and again")
+    wait_for(
+        lambda: redis_client.llen(f"ran:{job}") >= 6,
+        timeout=60,
+        what="the poison message delivered again and again",
+    )
     assert not DeadLetter.objects.exists()

@@ -13,9 +13,9 @@ from collections import Counter as Tally
 import pytest
 
 from django_outbox.models import Attempt, Outcome, ProcessedOperation
+from tests.support.waiting import wait_for
 from tests.testapp.models import Counter
 from tests.testapp.tasks import Increment, increment_unguarded
-from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
@@ -24,15 +24,17 @@ COPIES = 3
 
 
 def final_values(prefix: str) -> Tally[int]:
-    return Tally(Counter.objects.filter(name__startswith=prefix)
-                 .values_list("value", flat=True))
+    return Tally(Counter.objects.filter(name__startswith=prefix).values_list("value", flat=True))
 
 
 def publish_duplicates(task, prefix: str, queue: str) -> None:  # type: ignore[no-untyped-def]
     for copy in range(COPIES):
         for i in range(KEYS):
-            task.apply_async(kwargs={"name": f"{prefix}{i}", "op_id": "op", "hold": 0.05},
-                             queue=queue, task_id=f"{prefix}{i}-{copy}")
+            task.apply_async(
+                kwargs={"name": f"{prefix}{i}", "op_id": "op", "hold": 0.05},
+                queue=queue,
+                task_id=f"{prefix}{i}-{copy}",
+            )
 
 
 def test_concurrent_duplicates_across_workers_apply_once(start_worker, queue):
@@ -40,8 +42,9 @@ def test_concurrent_duplicates_across_workers_apply_once(start_worker, queue):
     start_worker(concurrency=2)
     start_worker(concurrency=2)
     publish_duplicates(Increment(), "dup", queue)
-    wait_for(lambda: Attempt.objects.count() == KEYS * COPIES, timeout=60,
-             what="every copy executed")
+    wait_for(
+        lambda: Attempt.objects.count() == KEYS * COPIES, timeout=60, what="every copy executed"
+    )
     assert final_values("dup") == Tally({1: KEYS})
     assert ProcessedOperation.objects.count() == KEYS
     tally = Tally(Attempt.objects.values_list("outcome", flat=True))
@@ -55,8 +58,11 @@ def test_negative_control_without_ledger_applies_duplicates(start_worker, queue)
     start_worker(concurrency=2)
     start_worker(concurrency=2)
     publish_duplicates(increment_unguarded, "ctl", queue)
-    wait_for(lambda: sum(final_values("ctl").elements()) == KEYS * COPIES, timeout=60,
-             what="every copy executed")
+    wait_for(
+        lambda: sum(final_values("ctl").elements()) == KEYS * COPIES,
+        timeout=60,
+        what="every copy executed",
+    )
     assert final_values("ctl")[1] == 0  # every key moved more than once
 
 
@@ -67,21 +73,30 @@ def test_crash_after_commit_before_ack_never_repeats_the_effect(start_worker, qu
     Counter.objects.bulk_create(Counter(name=f"crash{i}") for i in range(CRASHES))
     worker = start_worker(concurrency=2)
     for i in range(CRASHES):
-        Increment().apply_async(kwargs={"name": f"crash{i}", "op_id": "op",
-                                        "die_after_effect": True}, queue=queue)
-    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.ALREADY_APPLIED).count() == CRASHES,
-             timeout=90, what="every crashed job redelivered")
+        Increment().apply_async(
+            kwargs={"name": f"crash{i}", "op_id": "op", "die_after_effect": True}, queue=queue
+        )
+    wait_for(
+        lambda: Attempt.objects.filter(outcome=Outcome.ALREADY_APPLIED).count() == CRASHES,
+        timeout=90,
+        what="every crashed job redelivered",
+    )
     assert final_values("crash") == Tally({1: CRASHES})
     assert worker.log().count("WorkerLostError") >= CRASHES
 
 
-def test_negative_control_crash_without_ledger_repeats_the_effect(start_worker, queue,
-                                                                  redis_client):
+def test_negative_control_crash_without_ledger_repeats_the_effect(
+    start_worker, queue, redis_client
+):
     Counter.objects.bulk_create(Counter(name=f"ctlcrash{i}") for i in range(CRASHES))
     redis_client.delete(*[f"died:ctlcrash{i}:op" for i in range(CRASHES)])
     start_worker(concurrency=2)
     for i in range(CRASHES):
-        increment_unguarded.apply_async(kwargs={"name": f"ctlcrash{i}", "op_id": "op",
-                                                "die_after_effect": True}, queue=queue)
-    wait_for(lambda: final_values("ctlcrash") == Tally({2: CRASHES}), timeout=90,
-             what="every crashed job applied twice")
+        increment_unguarded.apply_async(
+            kwargs={"name": f"ctlcrash{i}", "op_id": "op", "die_after_effect": True}, queue=queue
+        )
+    wait_for(
+        lambda: final_values("ctlcrash") == Tally({2: CRASHES}),
+        timeout=90,
+        what="every crashed job applied twice",
+    )

@@ -26,9 +26,9 @@ from kombu import Connection
 
 from django_outbox.models import Attempt, Fence, Outcome
 from tests.conftest import RABBITMQ_URL
+from tests.support.waiting import wait_for
 from tests.testapp.models import Counter, OrderState, Profile
 from tests.testapp.tasks import HoldsTheLine, ShipToAddress
-from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
@@ -39,22 +39,35 @@ def stop_and_wake(redis_client, queue: str, order_id: int) -> str:  # type: igno
     tag = uuid.uuid4().hex[:8]
     Profile.objects.create(user_id=order_id, data="old address")
     ShipToAddress().apply_async(args=[order_id, tag], queue=queue)
-    stale_pid = int(wait_for(lambda: redis_client.lindex(f"started:{tag}", 0), timeout=20,
-                             what="the first execution"))
+    stale_pid = int(
+        wait_for(
+            lambda: redis_client.lindex(f"started:{tag}", 0), timeout=20, what="the first execution"
+        )
+    )
     os.kill(stale_pid, signal.SIGSTOP)
     redis_client.set(f"stopped:{tag}", 1, ex=60)  # seen once it is woken up
     try:
         Profile.objects.filter(user_id=order_id).update(data="new address")
-        wait_for(lambda: redis_client.llen(f"started:{tag}") == 2, timeout=20,
-                 what="a second execution after the lease ran out")
+        wait_for(
+            lambda: redis_client.llen(f"started:{tag}") == 2,
+            timeout=20,
+            what="a second execution after the lease ran out",
+        )
     finally:
         os.kill(stale_pid, signal.SIGCONT)
-    stale = wait_for(lambda: Attempt.objects.filter(worker_pid=stale_pid,
-                                                    idempotency_key=f"ship:{order_id}").first(),
-                     timeout=20, what="the stale execution's attempt")
+    stale = wait_for(
+        lambda: Attempt.objects.filter(
+            worker_pid=stale_pid, idempotency_key=f"ship:{order_id}"
+        ).first(),
+        timeout=20,
+        what="the stale execution's attempt",
+    )
     redis_client.set(f"proceed:{tag}", 1, ex=60)
-    wait_for(lambda: Attempt.objects.filter(idempotency_key=f"ship:{order_id}").count() == 2,
-             timeout=20, what="the newer execution's attempt")
+    wait_for(
+        lambda: Attempt.objects.filter(idempotency_key=f"ship:{order_id}").count() == 2,
+        timeout=20,
+        what="the newer execution's attempt",
+    )
     shipped = list(OrderState.objects.filter(order_id=order_id).values_list("status", flat=True))
     assert len(shipped) == 1  # the ledger: one effect either way
     if stale.outcome == Outcome.FENCED and shipped == ["new address"]:
@@ -64,17 +77,23 @@ def stop_and_wake(redis_client, queue: str, order_id: int) -> str:  # type: igno
     return f"unexpected: {stale.outcome} {shipped}"
 
 
-@pytest.mark.parametrize(("lease", "expected"), [
-    ("1", "stale commit refused"),
-    ("0", "stale commit applied"),  # negative control
-], ids=["fenced", "negative-control"])
-def test_stopped_holder_cannot_commit_after_a_takeover(start_worker, redis_client, lease,
-                                                       expected) -> None:
+@pytest.mark.parametrize(
+    ("lease", "expected"),
+    [
+        ("1", "stale commit refused"),
+        ("0", "stale commit applied"),  # negative control
+    ],
+    ids=["fenced", "negative-control"],
+)
+def test_stopped_holder_cannot_commit_after_a_takeover(
+    start_worker, redis_client, lease, expected
+) -> None:
     # Two workers: the one whose process is stopped, and one to take the job over.
     env = {"EXPLICIT_EXECUTION_LEASE": lease}
     workers = [start_worker(concurrency=1, extra_env=env) for _ in range(2)]
-    outcomes = Tally(stop_and_wake(redis_client, workers[0].queue, order_id)
-                     for order_id in range(ROUNDS))
+    outcomes = Tally(
+        stop_and_wake(redis_client, workers[0].queue, order_id) for order_id in range(ROUNDS)
+    )
     assert outcomes == Tally({expected: ROUNDS}), [w.log()[-2000:] for w in workers]
     takeovers = Fence.objects.count()
     assert takeovers == (ROUNDS if lease == "1" else 0)
@@ -85,31 +104,49 @@ def overlaps(spans: list[tuple[float, float]]) -> int:
     return sum(1 for a, b in itertools.pairwise(spans) if b[0] < a[1])
 
 
-@pytest.mark.parametrize(("lease", "concurrent"), [("1", False), ("0", True)],
-                         ids=["leased", "negative-control"])
+@pytest.mark.parametrize(
+    ("lease", "concurrent"), [("1", False), ("0", True)], ids=["leased", "negative-control"]
+)
 def test_rabbitmq_redelivery_after_connection_loss_does_not_run_concurrently(
-        start_worker, redis_client, queue, lease, concurrent) -> None:
-    worker = start_worker(extra_env={"EXPLICIT_TEST_BROKER_URL": RABBITMQ_URL,
-                                     "EXPLICIT_EXECUTION_LEASE": lease})
+    start_worker, redis_client, queue, lease, concurrent
+) -> None:
+    worker = start_worker(
+        extra_env={"EXPLICIT_TEST_BROKER_URL": RABBITMQ_URL, "EXPLICIT_EXECUTION_LEASE": lease}
+    )
     ops = [uuid.uuid4().hex[:8] for _ in range(3)]
     for op in ops:
         Counter.objects.create(name=op)
         with Connection(RABBITMQ_URL) as conn:
-            HoldsTheLine().apply_async(kwargs={"name": op, "op_id": op, "seconds": 6},
-                                       queue=queue, connection=conn)
-        wait_for(lambda op=op: redis_client.llen(f"started:{op}") >= 1, timeout=20,
-                 what="the first execution")
+            HoldsTheLine().apply_async(
+                kwargs={"name": op, "op_id": op, "seconds": 6}, queue=queue, connection=conn
+            )
+        wait_for(
+            lambda op=op: redis_client.llen(f"started:{op}") >= 1,
+            timeout=20,
+            what="the first execution",
+        )
         # Every connection drops; the broker requeues the unacked message at once.
-        subprocess.run(["rabbitmqctl", "close_all_connections", "test: connection loss"],
-                       check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            ["rabbitmqctl", "close_all_connections", "test: connection loss"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
         # Both executions end, and note their span (just after their commit).
-        wait_for(lambda op=op: Attempt.objects.filter(idempotency_key=f"line:{op}:{op}")
-                 .count() >= 2 and redis_client.llen(f"spans:{op}") >= 2,
-                 timeout=40, what="the redelivered execution to end")
+        wait_for(
+            lambda op=op: (
+                Attempt.objects.filter(idempotency_key=f"line:{op}:{op}").count() >= 2
+                and redis_client.llen(f"spans:{op}") >= 2
+            ),
+            timeout=40,
+            what="the redelivered execution to end",
+        )
     results = {}
     for op in ops:
-        spans = [tuple(map(float, s.decode().split(":")))
-                 for s in redis_client.lrange(f"spans:{op}", 0, -1)]
+        spans = [
+            tuple(map(float, s.decode().split(":")))
+            for s in redis_client.lrange(f"spans:{op}", 0, -1)
+        ]
         results[op] = overlaps(spans)  # type: ignore[arg-type]
         assert Counter.objects.get(name=op).value == 1  # the ledger holds either way
     overlapping = sum(1 for n in results.values() if n)

@@ -50,14 +50,19 @@ def one_round(client: redis.Redis, prefix: str, user_id: int, *, fenced: bool) -
     return "stale write applied" if rows.get().data == "A" else "newer write kept"
 
 
-@pytest.mark.parametrize(("fenced", "expected"), [
-    (True, {"stale write refused": ROUNDS}),
-    (False, {"stale write applied": ROUNDS}),  # negative control
-], ids=["fenced", "negative-control"])
+@pytest.mark.parametrize(
+    ("fenced", "expected"),
+    [
+        (True, {"stale write refused": ROUNDS}),
+        (False, {"stale write applied": ROUNDS}),  # negative control
+    ],
+    ids=["fenced", "negative-control"],
+)
 def test_paused_holder_cannot_overwrite_a_newer_write(redis_client, fenced, expected) -> None:
     prefix = f"explicit-test:{uuid.uuid4().hex[:8]}:"
-    outcomes = Tally(one_round(redis_client, prefix, user_id, fenced=fenced)
-                     for user_id in range(ROUNDS))
+    outcomes = Tally(
+        one_round(redis_client, prefix, user_id, fenced=fenced) for user_id in range(ROUNDS)
+    )
     assert outcomes == Tally(expected)
     if fenced:
         assert set(Profile.objects.values_list("data", flat=True)) == {"B"}

@@ -16,11 +16,12 @@ import pytest
 from django.core.management import call_command
 
 from celery_explicit.execution_lease import live_executions
-from celery_explicit.lease import lease_key, live_leases
+from celery_explicit.lease import live_leases, record_key
 from django_outbox.models import Attempt, Outcome
+from tests.support.waiting import wait_for
+from tests.support.workers import Worker
 from tests.testapp.models import Counter
 from tests.testapp.tasks import SlowShip, increment_unguarded
-from tests.workers import Worker, wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
@@ -42,14 +43,16 @@ def publish(queue: str, seconds: float, jobs: int = JOBS) -> list[str]:
     return orders
 
 
-def test_a_job_three_times_its_lease_runs_once_while_alive(start_worker, queue,
-                                                           redis_client) -> None:
+def test_a_job_three_times_its_lease_runs_once_while_alive(
+    start_worker, queue, redis_client
+) -> None:
     start_worker(concurrency=JOBS)
     start_worker(concurrency=JOBS)
     orders = publish(queue, seconds=6.0)
     # While they run, an operator sees each lease: owner, extensions, time left.
-    wait_for(lambda: all(ran(redis_client, o) for o in orders), timeout=20,
-             what="every job started")
+    wait_for(
+        lambda: all(ran(redis_client, o) for o in orders), timeout=20, what="every job started"
+    )
     time.sleep(1.5)
     ours = {PUBLISHED[o] for o in orders}
     held = [x for x in live_leases(redis_client) if x.task_id in ours]
@@ -69,23 +72,31 @@ def test_a_job_three_times_its_lease_runs_once_while_alive(start_worker, queue,
     assert not Attempt.objects.filter(redelivered=True).exists()
 
 
-def test_negative_control_without_extension_the_job_is_redelivered(start_worker, queue,
-                                                                   redis_client) -> None:
+def test_negative_control_without_extension_the_job_is_redelivered(
+    start_worker, queue, redis_client
+) -> None:
     no_extend = {"EXPLICIT_LEASE_EXTEND": "0"}
     start_worker(concurrency=JOBS, extra_env=no_extend)
     start_worker(concurrency=JOBS, extra_env=no_extend)
     orders = publish(queue, seconds=6.0)
-    wait_for(lambda: all(len(ran(redis_client, o)) >= 2 for o in orders), timeout=40,
-             what="every job handed to a second execution")
+    wait_for(
+        lambda: all(len(ran(redis_client, o)) >= 2 for o in orders),
+        timeout=40,
+        what="every job handed to a second execution",
+    )
     # The ledger still keeps the effect single, which is why redelivery alone is not
     # the bug; running the handler twice (and calling the warehouse twice) is.
-    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).count() == JOBS,
-             timeout=40, what="effects applied")
+    wait_for(
+        lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).count() == JOBS,
+        timeout=40,
+        what="effects applied",
+    )
     assert {Counter.objects.get(name=o).value for o in orders} == {1}
 
 
-def holder_and_other(workers: tuple[Worker, Worker], redis_client, order: str
-                     ) -> tuple[Worker, Worker]:
+def holder_and_other(
+    workers: tuple[Worker, Worker], redis_client, order: str
+) -> tuple[Worker, Worker]:
     """Which of two running workers got the job, and the other one.
 
     Both are started before the job is published: a worker started while the job runs
@@ -98,63 +109,84 @@ def holder_and_other(workers: tuple[Worker, Worker], redis_client, order: str
     return (a, b) if pid == a.process.pid else (b, a)
 
 
-def test_a_killed_worker_s_job_runs_again_within_its_own_lease(start_worker, queue,
-                                                                redis_client) -> None:
+def test_a_killed_worker_s_job_runs_again_within_its_own_lease(
+    start_worker, queue, redis_client
+) -> None:
     workers = start_worker(concurrency=2), start_worker(concurrency=2)
     (order,) = publish(queue, seconds=4.0, jobs=1)
     holder, other = holder_and_other(workers, redis_client, order)
     # Its message has its own lease within 0.1 s of its delivery (the keeper's first
     # look, tests/integration/test_lease_keeper.py); a kill before that would leave it
     # to the global timeout.
-    wait_for(lambda: redis_client.exists(lease_key(PUBLISHED[order])), timeout=5,
-             what="the message's own lease")
+    wait_for(
+        lambda: redis_client.exists(record_key(PUBLISHED[order])),
+        timeout=5,
+        what="the message's own lease",
+    )
     killed_at = time.monotonic()
     os.killpg(holder.process.pid, signal.SIGKILL)  # the whole worker, children included
-    wait_for(lambda: len(ran(redis_client, order)) == 2, timeout=30,
-             what="the job to run again")
+    wait_for(lambda: len(ran(redis_client, order)) == 2, timeout=30, what="the job to run again")
     rerun_after = time.monotonic() - killed_at
     assert ran(redis_client, order)[1] == other.process.pid
     # Its 2 s lease plus one 1 s sweep (and a heartbeat), not the 60 s global timeout.
     assert rerun_after < 10.0
-    wait_for(lambda: Attempt.objects.filter(idempotency_key=f"order:{order}:ship",
-                                            outcome=Outcome.APPLIED).exists(),
-             timeout=20, what="the effect")
+    wait_for(
+        lambda: Attempt.objects.filter(
+            idempotency_key=f"order:{order}:ship", outcome=Outcome.APPLIED
+        ).exists(),
+        timeout=20,
+        what="the effect",
+    )
     assert Counter.objects.get(name=order).value == 1
 
 
 def test_a_stopped_child_loses_its_lease_and_another_worker_takes_the_job(
-        start_worker, queue, redis_client) -> None:
+    start_worker, queue, redis_client
+) -> None:
     workers = start_worker(concurrency=1), start_worker(concurrency=1)
     (order,) = publish(queue, seconds=4.0, jobs=1)
     holder, other = holder_and_other(workers, redis_client, order)
     (child,) = holder.child_pids()
     os.kill(child, signal.SIGSTOP)  # a GC pause, a debugger, a frozen VM
     try:
-        wait_for(lambda: len(ran(redis_client, order)) == 2, timeout=20,
-                 what="another worker to take the job")
+        wait_for(
+            lambda: len(ran(redis_client, order)) == 2,
+            timeout=20,
+            what="another worker to take the job",
+        )
         assert ran(redis_client, order) == [holder.process.pid, other.process.pid]
-        wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists(),
-                 timeout=20, what="the second worker's effect")
+        wait_for(
+            lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists(),
+            timeout=20,
+            what="the second worker's effect",
+        )
     finally:
         os.kill(child, signal.SIGCONT)
     # The first execution wakes up and reaches its effect: the second one took its
     # execution lease over, so its commit is refused (fenced).
-    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.FENCED).exists(),
-             timeout=20, what="the resumed execution")
+    wait_for(
+        lambda: Attempt.objects.filter(outcome=Outcome.FENCED).exists(),
+        timeout=20,
+        what="the resumed execution",
+    )
     assert Counter.objects.get(name=order).value == 1
 
 
 def test_negative_control_a_plain_task_of_a_killed_worker_waits_for_the_global_timeout(
-        start_worker, queue, redis_client) -> None:
+    start_worker, queue, redis_client
+) -> None:
     Counter.objects.create(name="plain")
     workers = start_worker(concurrency=1), start_worker(concurrency=1)
-    increment_unguarded.apply_async(kwargs={"name": "plain", "op_id": "1", "hold": 8.0},
-                                    queue=queue)
+    increment_unguarded.apply_async(
+        kwargs={"name": "plain", "op_id": "1", "hold": 8.0}, queue=queue
+    )
     # Its message is held unacknowledged by the worker that received it (no lease of
     # its own); kill that one.
-    wait_for(lambda: redis_client.hlen("unacked")
-             and any(w.log().count(" received") for w in workers),
-             timeout=20, what="the plain job to start")
+    wait_for(
+        lambda: redis_client.hlen("unacked") and any(w.log().count(" received") for w in workers),
+        timeout=20,
+        what="the plain job to start",
+    )
     (holder,) = [w for w in workers if " received" in w.log()]
     os.killpg(holder.process.pid, signal.SIGKILL)
     time.sleep(10.0)  # where the ExplicitTask above had long run again

@@ -7,27 +7,31 @@ import uuid
 import pytest
 
 from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, Outcome
+from tests.support.waiting import wait_for
 from tests.testapp.tasks import OrderedOverrun, Overrun, UnlimitedOverrun
-from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 
-def test_soft_and_hard_limits_stop_the_run_and_leave_a_dead_letter(start_worker,
-                                                                    queue) -> None:
+def test_soft_and_hard_limits_stop_the_run_and_leave_a_dead_letter(start_worker, queue) -> None:
     worker = start_worker(concurrency=2)
     polite = Overrun().apply_async(args=["polite"], queue=queue)
     stubborn = Overrun().apply_async(args=["stubborn", True], queue=queue)
     # A dead letter commits just before its attempt row: wait for the polite one's row.
-    wait_for(lambda: DeadLetter.objects.count() == 2
-             and Attempt.objects.filter(task_id=polite.id).exists(),
-             timeout=30, what="two dead letters")
+    wait_for(
+        lambda: (
+            DeadLetter.objects.count() == 2 and Attempt.objects.filter(task_id=polite.id).exists()
+        ),
+        timeout=30,
+        what="two dead letters",
+    )
     letters = {d.task_id: d for d in DeadLetter.objects.all()}
     assert {d.reason for d in letters.values()} == {DeadLetterReason.MAX_RUN_TIME}
     # The polite run raised SoftTimeLimitExceeded and recorded its own attempt.
     assert letters[polite.id].error_class.endswith("SoftTimeLimitExceeded")
-    assert list(Attempt.objects.filter(task_id=polite.id).values_list("outcome", flat=True)) \
-        == [Outcome.MAX_RUN_TIME]
+    assert list(Attempt.objects.filter(task_id=polite.id).values_list("outcome", flat=True)) == [
+        Outcome.MAX_RUN_TIME
+    ]
     # The stubborn one was killed by the hard limit; the main process recorded it.
     assert "killed by the hard time limit" in letters[stubborn.id].error_message
     assert letters[stubborn.id].args == ["stubborn", True]
@@ -51,11 +55,17 @@ def test_a_job_killed_by_the_hard_limit_passes_its_entitys_turn(start_worker, qu
     start_worker(concurrency=2)
     killed = OrderedOverrun().apply_async(args=[entity, "first", True], queue=queue)
     after = OrderedOverrun().apply_async(args=[entity, "second"], queue=queue)
-    letter = wait_for(lambda: DeadLetter.objects.filter(task_id=killed.id).first(),
-                      timeout=30, what="the killed job's dead letter")
+    letter = wait_for(
+        lambda: DeadLetter.objects.filter(task_id=killed.id).first(),
+        timeout=30,
+        what="the killed job's dead letter",
+    )
     assert "killed by the hard time limit" in letter.error_message
-    ran = wait_for(lambda: Attempt.objects.filter(task_id=after.id).first(), timeout=20,
-                   what="the next job of the entity to run")
+    ran = wait_for(
+        lambda: Attempt.objects.filter(task_id=after.id).first(),
+        timeout=20,
+        what="the next job of the entity to run",
+    )
     assert ran.outcome == Outcome.SUCCEEDED
     # In order: the second job ran only once the first had been killed and recorded.
     assert ran.started_at >= letter.last_attempt

@@ -16,9 +16,9 @@ import pytest
 from kombu import Connection
 
 from django_outbox.models import Attempt
+from tests.support.waiting import wait_for
 from tests.testapp.models import OrderState
 from tests.testapp.tasks import ApplyOrderEvent, ApplyOrderEventUnordered
-from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
@@ -38,8 +38,9 @@ def shuffled_interleaving(rng: random.Random) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
-def test_each_entity_ends_in_its_last_event(start_worker, redis_client, queue, broker,
-                                            ordered) -> None:
+def test_each_entity_ends_in_its_last_event(
+    start_worker, redis_client, queue, broker, ordered
+) -> None:
     task = ApplyOrderEvent() if ordered else ApplyOrderEventUnordered()
     start_worker(concurrency=2, extra_env={"EXPLICIT_TEST_BROKER_URL": broker})
     start_worker(concurrency=2, extra_env={"EXPLICIT_TEST_BROKER_URL": broker})
@@ -49,18 +50,28 @@ def test_each_entity_ends_in_its_last_event(start_worker, redis_client, queue, b
     base = uuid.uuid4().int % 10**7 * 100
     with Connection(broker) as conn:
         for order, seq in shuffled_interleaving(random.Random(7)):
-            task.apply_async(kwargs={"order_id": base + order, "seq": seq, "tag": tag},
-                             queue=queue, connection=conn)
+            task.apply_async(
+                kwargs={"order_id": base + order, "seq": seq, "tag": tag},
+                queue=queue,
+                connection=conn,
+            )
     # The handler notes a run in Redis just after its effect (and attempt row) commit:
     # wait for both, or the last note of an entity may still be on its way.
-    wait_for(lambda: Attempt.objects.filter(task_name=task.name).count() >= ORDERS * EVENTS
-             and sum(redis_client.llen(f"applied:{tag}:{base + order}")
-                     for order in range(ORDERS))
-             == ORDERS * EVENTS, timeout=90, what="every event applied and noted")
+    wait_for(
+        lambda: (
+            Attempt.objects.filter(task_name=task.name).count() >= ORDERS * EVENTS
+            and sum(redis_client.llen(f"applied:{tag}:{base + order}") for order in range(ORDERS))
+            == ORDERS * EVENTS
+        ),
+        timeout=90,
+        what="every event applied and noted",
+    )
     final = dict(OrderState.objects.values_list("order_id", "status"))
     wrong = {order: status for order, status in final.items() if status != str(EVENTS)}
-    runs = {order: [int(s) for s in redis_client.lrange(f"applied:{tag}:{base + order}", 0, -1)]
-            for order in range(ORDERS)}
+    runs = {
+        order: [int(s) for s in redis_client.lrange(f"applied:{tag}:{base + order}", 0, -1)]
+        for order in range(ORDERS)
+    }
     out_of_order = [order for order, seqs in runs.items() if seqs != sorted(seqs)]
     if ordered:
         assert wrong == {} and out_of_order == []

@@ -18,22 +18,28 @@ from prometheus_client import REGISTRY
 
 from django_outbox.dispatch import dispatch
 from django_outbox.models import Attempt, OutboxEvent, OutboxStatus, Outcome
-from tests.relays import PrivateRedis, queued
+from tests.support.queues import queued
+from tests.support.servers import PrivateRedis
+from tests.support.waiting import wait_for
 from tests.testapp.models import Counter
 from tests.testapp.tasks import Increment
-from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 
-def write(names: list[str], *, per_transaction: int = 3,
-          ordering_key: str = "") -> list[str]:
+def write(names: list[str], *, per_transaction: int = 3, ordering_key: str = "") -> list[str]:
     ids: list[str] = []
     for start in range(0, len(names), per_transaction):
         with transaction.atomic():
-            ids += [dispatch(Increment(), kwargs={"name": name, "op_id": "1"}, durable=True,
-                             ordering_key=ordering_key)
-                    for name in names[start:start + per_transaction]]
+            ids += [
+                dispatch(
+                    Increment(),
+                    kwargs={"name": name, "op_id": "1"},
+                    durable=True,
+                    ordering_key=ordering_key,
+                )
+                for name in names[start : start + per_transaction]
+            ]
     return ids
 
 
@@ -45,39 +51,52 @@ OUTAGE_EVENTS = 240
 LOST_CONTROL = 10
 
 
-def test_broker_outage_while_relaying_loses_nothing(start_relay, start_worker, queue,
-                                                   tmp_path) -> None:
+def test_broker_outage_while_relaying_loses_nothing(
+    start_relay, start_worker, queue, tmp_path
+) -> None:
     broker = PrivateRedis(tmp_path / "redis").start()
     try:
         names = [f"out{i}" for i in range(OUTAGE_EVENTS)]
         Counter.objects.bulk_create(Counter(name=n) for n in names)
         Counter.objects.bulk_create(Counter(name=f"lost{i}") for i in range(LOST_CONTROL))
-        relays = [start_relay("--batch-size", "20", "--poll-interval", "0.2",
-                              broker_url=broker.url) for _ in range(2)]
+        relays = [
+            start_relay("--batch-size", "20", "--poll-interval", "0.2", broker_url=broker.url)
+            for _ in range(2)
+        ]
         third = OUTAGE_EVENTS // 3
         write(names[:third])
         wait_for(lambda: pending() < third, what="relaying under way")
 
         broker.kill()  # mid-stream: some batches in flight, more being written
-        during = write(names[third:2 * third])
+        during = write(names[third : 2 * third])
         # Negative control: the same jobs dispatched after commit without the outbox
         # are lost while the broker is down (logged and counted, but lost).
-        labels = {"task": "tests.increment",
-                  "error_class": "kombu.exceptions.OperationalError"}
-        failed_before = REGISTRY.get_sample_value(
-            "explicit_dispatch_publish_failed_total", labels) or 0.0
+        labels = {"task": "tests.increment", "error_class": "kombu.exceptions.OperationalError"}
+        failed_before = (
+            REGISTRY.get_sample_value("explicit_dispatch_publish_failed_total", labels) or 0.0
+        )
         for i in range(LOST_CONTROL):
             with transaction.atomic():
-                dispatch(Increment(), kwargs={"name": f"lost{i}", "op_id": "1"},
-                         options={"queue": queue, "retry": False,
-                                  "connection": Connection(broker.url, connect_timeout=0.5)})
+                dispatch(
+                    Increment(),
+                    kwargs={"name": f"lost{i}", "op_id": "1"},
+                    options={
+                        "queue": queue,
+                        "retry": False,
+                        "connection": Connection(broker.url, connect_timeout=0.5),
+                    },
+                )
         time.sleep(2)  # the relays meet the outage and back off
         assert pending() >= len(during)  # held back, not dropped
 
         broker.start()  # same port, same append-only file
-        write(names[2 * third:])
-        wait_for(lambda: pending() == 0, timeout=60, what="the backlog relayed after the outage",
-                 on_timeout=lambda: [r.log()[-2000:] for r in relays])
+        write(names[2 * third :])
+        wait_for(
+            lambda: pending() == 0,
+            timeout=60,
+            what="the backlog relayed after the outage",
+            on_timeout=lambda: [r.log()[-2000:] for r in relays],
+        )
         assert all(r.alive() for r in relays)
         assert any("broker unavailable" in r.log() for r in relays)
         assert [r.stop() for r in relays] == [0, 0]
@@ -85,13 +104,22 @@ def test_broker_outage_while_relaying_loses_nothing(start_relay, start_worker, q
         # A real consumer: duplicates, if a relay republished, meet the effect ledger.
         start_worker(concurrency=2, extra_env={"EXPLICIT_TEST_BROKER_URL": broker.url})
         client = broker.client()
-        wait_for(lambda: (not Counter.objects.filter(name__in=names, value=0).exists()
-                          and client.llen(queue) == 0 and not client.hlen("unacked")),
-                 timeout=90, what="every job consumed")
+        wait_for(
+            lambda: (
+                not Counter.objects.filter(name__in=names, value=0).exists()
+                and client.llen(queue) == 0
+                and not client.hlen("unacked")
+            ),
+            timeout=90,
+            what="every job consumed",
+        )
         values = Tally(Counter.objects.filter(name__in=names).values_list("value", flat=True))
         assert values == Tally({1: OUTAGE_EVENTS})  # nothing lost, nothing applied twice
-        outcomes = Tally(Attempt.objects.filter(idempotency_key__startswith="counter:out")
-                         .values_list("outcome", flat=True))
+        outcomes = Tally(
+            Attempt.objects.filter(idempotency_key__startswith="counter:out").values_list(
+                "outcome", flat=True
+            )
+        )
         assert outcomes[Outcome.APPLIED] == OUTAGE_EVENTS
         duplicates = outcomes[Outcome.ALREADY_APPLIED]  # republished: absorbed and counted
         assert sum(outcomes.values()) == OUTAGE_EVENTS + duplicates
@@ -99,8 +127,10 @@ def test_broker_outage_while_relaying_loses_nothing(start_relay, start_worker, q
 
         lost = Counter.objects.filter(name__startswith="lost", value=0).count()
         assert lost == LOST_CONTROL
-        assert REGISTRY.get_sample_value("explicit_dispatch_publish_failed_total",
-                                         labels) == failed_before + LOST_CONTROL
+        assert (
+            REGISTRY.get_sample_value("explicit_dispatch_publish_failed_total", labels)
+            == failed_before + LOST_CONTROL
+        )
     finally:
         broker.kill()
 
@@ -112,20 +142,27 @@ KILLS = 4
 def backlog(n: int = BACKLOG) -> None:
     """Pending events written straight to the table (bulk), as a backlog after an outage."""
     OutboxEvent.objects.bulk_create(
-        OutboxEvent(task_name="tests.note", kwargs={"name": f"n{i}"}) for i in range(n))
+        OutboxEvent(task_name="tests.note", kwargs={"name": f"n{i}"}) for i in range(n)
+    )
 
 
 def published_ids() -> set[str]:
-    return {str(i) for i in OutboxEvent.objects.filter(status=OutboxStatus.PUBLISHED)
-            .values_list("event_id", flat=True)}
+    return {
+        str(i)
+        for i in OutboxEvent.objects.filter(status=OutboxStatus.PUBLISHED).values_list(
+            "event_id", flat=True
+        )
+    }
 
 
-def test_sigterm_finishes_the_batch_in_hand_and_exits_0(start_relay, queue,
-                                                       redis_client) -> None:
+def test_sigterm_finishes_the_batch_in_hand_and_exits_0(start_relay, queue, redis_client) -> None:
     relay = start_relay("--batch-size", "500", "--poll-interval", "0.1")
     backlog()
-    wait_for(lambda: OutboxEvent.objects.filter(status=OutboxStatus.PUBLISHED).count() >= 1000,
-             interval=0.02, what="relaying under way")
+    wait_for(
+        lambda: OutboxEvent.objects.filter(status=OutboxStatus.PUBLISHED).count() >= 1000,
+        interval=0.02,
+        what="relaying under way",
+    )
     assert relay.stop(signal.SIGTERM, timeout=10) == 0
     assert "outbox relay stopped" in relay.log()
     # The batch in hand was published *and* marked: the broker holds exactly the
@@ -151,8 +188,11 @@ def test_sigkill_mid_batch_republishes_never_loses(start_relay, queue, redis_cli
     while kills < KILLS and pending():
         relay = start_relay("--batch-size", "500", "--poll-interval", "0.1")
         before = pending()
-        wait_for(lambda: pending() < before, interval=0.01,  # noqa: B023
-                 what="some progress")
+        wait_for(
+            lambda: pending() < before,  # noqa: B023
+            interval=0.01,
+            what="some progress",
+        )
         time.sleep(rng.uniform(0.0, 0.3))
         relay.stop(signal.SIGKILL)
         kills += 1
@@ -168,8 +208,9 @@ def test_sigkill_mid_batch_republishes_never_loses(start_relay, queue, redis_cli
     print(f"{kills} kills, {duplicates} events published twice")
 
 
-def test_a_kill_between_the_send_and_the_mark_republishes_the_batch(start_relay, queue,
-                                                                     redis_client) -> None:
+def test_a_kill_between_the_send_and_the_mark_republishes_the_batch(
+    start_relay, queue, redis_client
+) -> None:
     """The window the random kills above may miss, hit every time: the batch is in the
     broker, not yet marked; the next relay sends it again (at least once, no loss)."""
     backlog(200)
@@ -185,8 +226,9 @@ def test_a_kill_between_the_send_and_the_mark_republishes_the_batch(start_relay,
     assert sorted(in_broker.values()).count(2) == 50  # that batch, twice; nothing lost
 
 
-def test_negative_control_a_relay_that_marks_unsent_events_is_caught(start_relay, queue,
-                                                                     redis_client) -> None:
+def test_negative_control_a_relay_that_marks_unsent_events_is_caught(
+    start_relay, queue, redis_client
+) -> None:
     backlog(200)
     relay = start_relay("--batch-size", "50", control="marks-unsent")
     wait_for(lambda: pending() == 0, what="the backlog marked")
@@ -200,8 +242,9 @@ RACE_EVENTS = 600
 
 
 @pytest.mark.parametrize("control", [None, "no-skip-locked"])
-def test_relays_racing_for_the_same_rows_publish_each_once(start_relay, queue, redis_client,
-                                                          control) -> None:
+def test_relays_racing_for_the_same_rows_publish_each_once(
+    start_relay, queue, redis_client, control
+) -> None:
     """Three relays wake on the same NOTIFY for one committed batch of events."""
     relays = [start_relay("--batch-size", "50", control=control) for _ in range(3)]
     with transaction.atomic():
@@ -227,8 +270,12 @@ def test_relays_racing_keep_each_keys_order(start_relay, queue, redis_client, co
     with transaction.atomic():
         for seq in range(ORDER_EVENTS_PER_KEY):
             for key in range(ORDER_KEYS):
-                dispatch(Increment(), kwargs={"name": f"k{key}", "op_id": str(seq)},
-                         durable=True, ordering_key=f"k{key}")
+                dispatch(
+                    Increment(),
+                    kwargs={"name": f"k{key}", "op_id": str(seq)},
+                    durable=True,
+                    ordering_key=f"k{key}",
+                )
     wait_for(lambda: pending() == 0, timeout=60, what="every event relayed")
     order: dict[str, list[int]] = {}
     for message in queued(redis_client, queue):

@@ -16,8 +16,10 @@ from tests.celery_app import app
 
 @pytest.fixture
 def conf() -> Iterator[Any]:
-    saved = {k: app.conf.get(k) for k in ("broker_transport_options", "accept_content",
-                                          "result_serializer")}
+    saved = {
+        k: app.conf.get(k)
+        for k in ("broker_transport_options", "accept_content", "result_serializer")
+    }
     yield app.conf
     for key, value in saved.items():
         app.conf[key] = value
@@ -95,9 +97,11 @@ def test_models_and_migrations_agree() -> None:
 
 def test_outbox_settings_the_relay_cannot_run_with_are_errors() -> None:
     assert checks.check_outbox_settings() == []
-    with override_settings(EXPLICIT_OUTBOX_BATCH_SIZE=0,
-                           EXPLICIT_OUTBOX_POLL_INTERVAL=float("inf"),
-                           EXPLICIT_OUTBOX_NOTIFY_CHANNEL="c" * 64):
+    with override_settings(
+        EXPLICIT_OUTBOX_BATCH_SIZE=0,
+        EXPLICIT_OUTBOX_POLL_INTERVAL=float("inf"),
+        EXPLICIT_OUTBOX_NOTIFY_CHANNEL="c" * 64,
+    ):
         found = checks.check_outbox_settings()
     messages = " | ".join(m.msg for m in found)
     assert ids(found) == ["django_outbox.E006"] * 3

@@ -8,8 +8,8 @@ from django.test import Client
 from django.utils import timezone
 
 from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, DeadLetterStatus, Outcome
+from tests.support.waiting import wait_for
 from tests.testapp.models import Counter
-from tests.workers import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -17,10 +17,10 @@ CHANGELIST = "/admin/django_outbox/deadletter/"
 
 
 def staff(*perms: str) -> Client:
-    user = User.objects.create_user("op-" + "-".join(perms or ("none",)), password="pw",
-                                    is_staff=True)
-    user.user_permissions.add(*Permission.objects.filter(
-        codename__in=["view_deadletter", *perms]))
+    user = User.objects.create_user(
+        "op-" + "-".join(perms or ("none",)), password="pw", is_staff=True
+    )
+    user.user_permissions.add(*Permission.objects.filter(codename__in=["view_deadletter", *perms]))
     client = Client()
     client.force_login(user)
     return client
@@ -28,18 +28,29 @@ def staff(*perms: str) -> Client:
 
 def letter(queue: str = "", **kw: object) -> DeadLetter:
     now = timezone.now()
-    fields = dict(task_id=f"t-{DeadLetter.objects.count()}", task_name="tests.increment",
-                  kwargs={"name": "replayed", "op_id": "1"}, args=[],
-                  idempotency_key="counter:replayed:op:1", reason=DeadLetterReason.PERMANENT,
-                  error_class="builtins.ValueError", error_message="boom", first_seen=now,
-                  last_attempt=now, queue=queue)
+    fields = dict(
+        task_id=f"t-{DeadLetter.objects.count()}",
+        task_name="tests.increment",
+        kwargs={"name": "replayed", "op_id": "1"},
+        args=[],
+        idempotency_key="counter:replayed:op:1",
+        reason=DeadLetterReason.PERMANENT,
+        error_class="builtins.ValueError",
+        error_message="boom",
+        first_seen=now,
+        last_attempt=now,
+        queue=queue,
+    )
     fields.update(kw)
     return DeadLetter.objects.create(**fields)
 
 
 def act(client: Client, action: str, *letters: DeadLetter):  # type: ignore[no-untyped-def]
-    return client.post(CHANGELIST, {"action": action, "_selected_action":
-                                    [str(d.pk) for d in letters]}, follow=True)
+    return client.post(
+        CHANGELIST,
+        {"action": action, "_selected_action": [str(d.pk) for d in letters]},
+        follow=True,
+    )
 
 
 def test_dead_letters_are_read_only_evidence() -> None:
@@ -78,8 +89,7 @@ def test_discard_closes_the_letter_and_keeps_it() -> None:
 
 
 @pytest.mark.worker
-def test_replay_republishes_with_the_same_key_and_links_the_attempt(start_worker,
-                                                                   queue) -> None:
+def test_replay_republishes_with_the_same_key_and_links_the_attempt(start_worker, queue) -> None:
     Counter.objects.create(name="replayed")
     d = letter(queue=queue)
     start_worker()
@@ -88,8 +98,10 @@ def test_replay_republishes_with_the_same_key_and_links_the_attempt(start_worker
     assert b"Replayed 1 dead letter" in response.content
     d.refresh_from_db()
     assert d.status == DeadLetterStatus.REPLAYED
-    attempt = wait_for(lambda: Attempt.objects.filter(task_id=d.replayed_task_id).first(),
-                       what="the replayed attempt")
+    attempt = wait_for(
+        lambda: Attempt.objects.filter(task_id=d.replayed_task_id).first(),
+        what="the replayed attempt",
+    )
     assert attempt.outcome == Outcome.APPLIED
     assert attempt.idempotency_key == d.idempotency_key
     assert attempt.replay_of == d.pk

@@ -6,13 +6,14 @@ import time
 import uuid
 
 import pytest
+from kombu import Connection
 
 from celery_explicit import metrics
 from django_outbox.models import Attempt, Outcome
 from tests.celery_app import app
+from tests.support.waiting import wait_for
 from tests.testapp.models import Counter
 from tests.testapp.tasks import RecordEvent, ShortDedup
-from tests.workers import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -44,14 +45,26 @@ def test_after_the_window_the_same_id_publishes_again(redis_client, queue) -> No
     assert redis_client.llen(queue) == 2
 
 
+def test_a_failed_publish_gives_its_dedup_claim_back(redis_client, queue) -> None:
+    event = uuid.uuid4().hex
+    dead_broker = Connection("redis://127.0.0.1:1/0", connect_timeout=0.2)
+    with pytest.raises(Exception):  # noqa: B017 - whatever the transport raises
+        RecordEvent().apply_async(
+            args=[event, "x"], queue=queue, connection=dead_broker, retry=False
+        )
+    RecordEvent().apply_async(args=[event, "x"], queue=queue)
+    assert redis_client.llen(queue) == 1  # not dropped in favour of the lost message
+
+
 @pytest.mark.worker
 def test_a_resend_that_bypassed_publish_is_dropped_at_delivery(start_worker, queue) -> None:
     Counter.objects.create(name="ev")
     start_worker()
     event = uuid.uuid4().hex
     # Another service resends the event by task name: two messages, two task ids.
-    ids = [app.send_task("tests.record_event", args=[event, "ev"], queue=queue).id
-           for _ in range(2)]
+    ids = [
+        app.send_task("tests.record_event", args=[event, "ev"], queue=queue).id for _ in range(2)
+    ]
     wait_for(lambda: Attempt.objects.count() == 2, what="both deliveries handled")
     outcomes = dict(Attempt.objects.values_list("task_id", "outcome"))
     assert sorted(outcomes.values()) == [Outcome.APPLIED, Outcome.DEDUPLICATED]
@@ -67,8 +80,12 @@ def test_a_retry_keeps_its_claim_and_is_not_dropped(start_worker, queue) -> None
     Counter.objects.create(name="rt")
     start_worker()
     RecordEvent().apply_async(args=[uuid.uuid4().hex, "rt", True], queue=queue)
-    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists(),
-             what="applied after one retry")
+    wait_for(
+        lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists(),
+        what="applied after one retry",
+    )
     assert [a.outcome for a in Attempt.objects.order_by("attempt")] == [
-        Outcome.RETRY_SCHEDULED, Outcome.APPLIED]
+        Outcome.RETRY_SCHEDULED,
+        Outcome.APPLIED,
+    ]
     assert Counter.objects.get(name="rt").value == 1

@@ -19,14 +19,23 @@ pytestmark = pytest.mark.worker
 
 @pytest.mark.timeout(300)  # two workers and two 6 s incident jobs, on a loaded machine
 def test_demo_shows_each_contract(tmp_path: Path) -> None:
-    env = {**os.environ, "SHOP_STATE_DIR": str(tmp_path),
-           "PYTHONPATH": f"{ROOT / 'example_project'}{os.pathsep}{ROOT}"}
+    env = {
+        **os.environ,
+        "SHOP_STATE_DIR": str(tmp_path),
+        "PYTHONPATH": f"{ROOT / 'example_project'}{os.pathsep}{ROOT}",
+    }
     env.pop("DJANGO_SETTINGS_MODULE", None)
     # Its own process group: if it fails or times out, its workers are stopped with it
     # instead of consuming from the shared Redis during the next tests.
-    demo = subprocess.Popen([sys.executable, "manage.py", "demo"], cwd=ROOT / "example_project",
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    demo = subprocess.Popen(
+        [sys.executable, "manage.py", "demo"],
+        cwd=ROOT / "example_project",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = demo.communicate(timeout=240)
     finally:
@@ -43,10 +52,13 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     assert "status=failed_permanent" in out
     # The ShipOrder incident, with and without the lease heartbeat: shipped once both
     # times; without it a second execution ran and the first one's commit was fenced.
-    assert ("with the lease heartbeat: 1 execution(s), 0 redelivered; warehouse asked to "
-            "ship 1 time(s)") in out
-    assert ("without it (what Celery alone does): 2 execution(s), 1 redelivered; warehouse "
-            "asked to ship 1 time(s)") in out
+    assert (
+        "with the lease heartbeat: 1 execution(s), 0 redelivered; warehouse asked to ship 1 time(s)"
+    ) in out
+    assert (
+        "without it (what Celery alone does): 2 execution(s), 1 redelivered; warehouse "
+        "asked to ship 1 time(s)"
+    ) in out
     assert out.count(": fenced - ") == 1
     assert "ran in this order: 1, 2, 3, 4" in out
     assert "status=delivered (event 4)" in out
@@ -63,5 +75,8 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     assert re.search(r"retry_scheduled, next try in [\d.]+s \(LockNotAcquired\)", lock_part)
     tokens = re.search(r"fencing tokens in order: (\d+) then (\d+)", lock_part)
     assert tokens and int(tokens.group(2)) > int(tokens.group(1))
-    assert re.search(rf"rebuilt 2 time\(s\), total 4599 cents, written last with token "
-                     rf"{tokens.group(2)}\b", lock_part)
+    assert re.search(
+        rf"rebuilt 2 time\(s\), total 4599 cents, written last with token "
+        rf"{tokens.group(2)}\b",
+        lock_part,
+    )

@@ -26,7 +26,7 @@ def job() -> str:
 
 def test_second_acquire_is_held_until_released(redis_client, job) -> None:
     first = execution_lease.acquire(job, ttl=5, client=redis_client)
-    assert isinstance(first, execution_lease.Taken) and first.cause == ""
+    assert isinstance(first, execution_lease.Taken) and first.cause is None
     second = execution_lease.acquire(job, ttl=5, client=redis_client)
     assert isinstance(second, execution_lease.Held)
     assert second.holder == execution_lease.owner()
@@ -51,8 +51,9 @@ def test_expired_lease_is_taken_over_and_the_stale_release_refused(redis_client,
     assert second.fence > first.fence
     # The stale holder cannot release (or end) the newer holder's lease.
     assert not execution_lease.release(job, first.fence, client=redis_client)
-    assert isinstance(execution_lease.acquire(job, ttl=5, client=redis_client),
-                      execution_lease.Held)
+    assert isinstance(
+        execution_lease.acquire(job, ttl=5, client=redis_client), execution_lease.Held
+    )
     assert execution_lease.release(job, second.fence, client=redis_client)
 
 
@@ -88,8 +89,9 @@ def test_effect_of_a_fenced_out_execution_does_not_commit(settings, job, round_t
     settings.EXPLICIT_LEDGER_ROUND_TRIPS = round_trips
     Fence.objects.create(task_id=job, token=10, taken_over_at=timezone.now())
     key = f"k:{job}"
-    with pytest.raises(LeaseLost) as refused, ledger.effect(
-        key=key, fingerprint="f", task_name="t", task_id=job, fence=9
+    with (
+        pytest.raises(LeaseLost) as refused,
+        ledger.effect(key=key, fingerprint="f", task_name="t", task_id=job, fence=9),
     ):
         pass
     assert refused.value.token == 9 and refused.value.current == 10
@@ -102,10 +104,10 @@ def test_effect_of_a_fenced_out_execution_does_not_commit(settings, job, round_t
 
 
 def test_record_takeover_keeps_the_largest_token(db, job) -> None:
-    execution_lease.record_takeover(job, "k", 7, "h:1")
-    execution_lease.record_takeover(job, "k", 5, "h:2")  # a late, older announcement
+    ledger.record_takeover(job, "k", 7, "h:1")
+    ledger.record_takeover(job, "k", 5, "h:2")  # a late, older announcement
     assert Fence.objects.get(task_id=job).token == 7
-    execution_lease.record_takeover(job, "k", 9, "h:3")
+    ledger.record_takeover(job, "k", 9, "h:3")
     assert Fence.objects.get(task_id=job).token == 9
 
 

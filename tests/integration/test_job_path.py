@@ -19,18 +19,19 @@ from django_outbox.models import (
     ProcessedOperation,
 )
 from tests.celery_app import app
+from tests.support.waiting import wait_for
 from tests.testapp.models import Counter
 from tests.testapp.tasks import (
     AlwaysTransient,
     Declined,
     Increment,
+    NestedEffect,
     OptionalKey,
     RetryThenSucceed,
     Surprising,
     Throttled,
     note,
 )
-from tests.workers import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
@@ -61,13 +62,17 @@ def test_duplicate_publish_is_absorbed_and_effect_applies_once(start_worker, que
 def test_worker_killed_after_commit_redelivers_and_effect_is_not_repeated(start_worker, queue):
     Counter.objects.create(name="k")
     worker = start_worker()
-    Increment().apply_async(kwargs={"name": "k", "op_id": "9", "die_after_effect": True},
-                            queue=queue)
+    Increment().apply_async(
+        kwargs={"name": "k", "op_id": "9", "die_after_effect": True}, queue=queue
+    )
     # The first execution commits, then SIGKILLs its own pool process before the ack;
     # reject_on_worker_lost puts the message back and a new child runs it again. The
     # killed attempt's row committed with its effect, so both attempts are on record.
-    wait_for(lambda: outcomes() == [Outcome.ALREADY_APPLIED, Outcome.APPLIED], timeout=40,
-             what="the redelivered execution")
+    wait_for(
+        lambda: outcomes() == [Outcome.ALREADY_APPLIED, Outcome.APPLIED],
+        timeout=40,
+        what="the redelivered execution",
+    )
     first, second = Attempt.objects.order_by("started_at")
     assert first.task_id == second.task_id
     assert first.worker_pid != second.worker_pid
@@ -99,9 +104,14 @@ def test_retry_delays_are_spread_capped_and_exhaustion_dead_letters(start_worker
     for job in jobs:
         AlwaysTransient().apply_async(args=[job], queue=queue)
     # Each dead letter commits just before its attempt row: wait for both.
-    wait_for(lambda: DeadLetter.objects.count() == len(jobs)
-             and Attempt.objects.filter(outcome=Outcome.EXHAUSTED).count() == len(jobs),
-             timeout=60, what="every job exhausted")
+    wait_for(
+        lambda: (
+            DeadLetter.objects.count() == len(jobs)
+            and Attempt.objects.filter(outcome=Outcome.EXHAUSTED).count() == len(jobs)
+        ),
+        timeout=60,
+        what="every job exhausted",
+    )
     letters = DeadLetter.objects.all()
     assert {d.reason for d in letters} == {DeadLetterReason.EXHAUSTED}
     assert {d.attempts for d in letters} == {4}
@@ -111,15 +121,17 @@ def test_retry_delays_are_spread_capped_and_exhaustion_dead_letters(start_worker
         assert letter.last_attempt > first.finished_at
     # max_attempts=4: three retries scheduled, then exhausted: exactly four executions.
     for job in jobs:
-        rows = list(Attempt.objects.filter(idempotency_key=f"transient:{job}")
-                    .order_by("attempt"))
+        rows = list(Attempt.objects.filter(idempotency_key=f"transient:{job}").order_by("attempt"))
         assert [r.attempt for r in rows] == [1, 2, 3, 4]
         assert [r.outcome for r in rows] == [Outcome.RETRY_SCHEDULED] * 3 + [Outcome.EXHAUSTED]
         for before, after in itertools.pairwise(rows):
             # The next attempt did not start before its scheduled time.
             assert after.started_at >= before.next_attempt_at - _ms(30)
-    delays = list(Attempt.objects.filter(outcome=Outcome.RETRY_SCHEDULED)
-                  .values_list("attempt", "retry_delay"))
+    delays = list(
+        Attempt.objects.filter(outcome=Outcome.RETRY_SCHEDULED).values_list(
+            "attempt", "retry_delay"
+        )
+    )
     for attempt, delay in delays:
         assert 0 <= delay <= min(1.0, 0.2 * 2 ** (attempt - 1))
     values = [d for _, d in delays]
@@ -133,9 +145,13 @@ def test_retry_delays_are_spread_capped_and_exhaustion_dead_letters(start_worker
 def test_retry_after_from_the_exception_wins_over_backoff(start_worker, queue):
     start_worker()
     Throttled().apply_async(args=["t1"], queue=queue)
-    wait_for(lambda: DeadLetter.objects.exists()
-             and Attempt.objects.filter(outcome=Outcome.EXHAUSTED).exists(),
-             what="exhausted after one retry")
+    wait_for(
+        lambda: (
+            DeadLetter.objects.exists()
+            and Attempt.objects.filter(outcome=Outcome.EXHAUSTED).exists()
+        ),
+        what="exhausted after one retry",
+    )
     first, second = Attempt.objects.order_by("attempt")
     assert first.retry_delay == 1.5
     assert (second.started_at - first.finished_at).total_seconds() >= 1.4
@@ -146,11 +162,16 @@ def test_retry_then_success_applies_once(start_worker, queue):
     Counter.objects.create(name="r")
     start_worker()
     RetryThenSucceed().apply_async(args=["r", 2], queue=queue)
-    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists(),
-             what="applied after two retries")
+    wait_for(
+        lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists(),
+        what="applied after two retries",
+    )
     rows = list(Attempt.objects.order_by("attempt"))
-    assert [r.outcome for r in rows] == [Outcome.RETRY_SCHEDULED, Outcome.RETRY_SCHEDULED,
-                                         Outcome.APPLIED]
+    assert [r.outcome for r in rows] == [
+        Outcome.RETRY_SCHEDULED,
+        Outcome.RETRY_SCHEDULED,
+        Outcome.APPLIED,
+    ]
     assert rows[1].retry_delay == 0.05  # RetryAfter(0.05) on the second attempt
     assert len({r.task_id for r in rows}) == 1  # a retry is the same job
     assert Counter.objects.get(name="r").value == 1
@@ -163,8 +184,11 @@ def test_more_retries_than_celerys_default_limit_of_three_still_run(start_worker
     Counter.objects.create(name="r4")
     start_worker()
     RetryThenSucceed().apply_async(args=["r4", 4], queue=queue)
-    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists(), timeout=30,
-             what="applied after four retries")
+    wait_for(
+        lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists(),
+        timeout=30,
+        what="applied after four retries",
+    )
     assert outcomes() == [Outcome.APPLIED] + [Outcome.RETRY_SCHEDULED] * 4
     assert Counter.objects.get(name="r4").value == 1
 
@@ -189,20 +213,28 @@ def test_permanent_error_dead_letters_after_exactly_one_attempt(start_worker, qu
 
 
 def _publish_raw(queue: str, task_id: str, body: bytes) -> None:
-    headers, _properties, _body, _ = app.amqp.as_task_v2(task_id, "tests.increment",
-                                                         args=(), kwargs={})
+    headers, _properties, _body, _ = app.amqp.as_task_v2(
+        task_id, "tests.increment", args=(), kwargs={}
+    )
     with Connection(app.conf.broker_url) as conn:
-        Producer(conn).publish(body, routing_key=queue, headers=headers,
-                               content_type="application/json", content_encoding="utf-8",
-                               correlation_id=task_id)
+        Producer(conn).publish(
+            body,
+            routing_key=queue,
+            headers=headers,
+            content_type="application/json",
+            content_encoding="utf-8",
+            correlation_id=task_id,
+        )
 
 
 def test_bad_input_is_dead_lettered_on_first_delivery_and_worker_keeps_consuming(
-        start_worker, queue):
+    start_worker, queue
+):
     Counter.objects.create(name="after")
     worker = start_worker()
-    wrong_args = app.send_task("tests.increment", args=["x", "1", 1, 0, False, "extra"],
-                               queue=queue)
+    wrong_args = app.send_task(
+        "tests.increment", args=["x", "1", 1, 0, False, "extra"], queue=queue
+    )
     missing_key = app.send_task("tests.optional_key", queue=queue)
     unknown = app.send_task("shop.no_such_task", args=[1], queue=queue)
     undecodable_id = str(uuid.uuid4())
@@ -212,16 +244,23 @@ def test_bad_input_is_dead_lettered_on_first_delivery_and_worker_keeps_consuming
     _publish_raw(queue, misshapen_id, b'"just a string"')
     Increment().apply_async(kwargs={"name": "after", "op_id": "1"}, queue=queue)
 
-    wait_for(lambda: DeadLetter.objects.count() == 5, what="five bad-input dead letters",
-             on_timeout=lambda: (list(DeadLetter.objects.values("task_name", "error_message")),
-                                 worker.log()[-3000:]))
+    wait_for(
+        lambda: DeadLetter.objects.count() == 5,
+        what="five bad-input dead letters",
+        on_timeout=lambda: (
+            list(DeadLetter.objects.values("task_name", "error_message")),
+            worker.log()[-3000:],
+        ),
+    )
     wait_for(lambda: Counter.objects.get(name="after").value == 1, what="the good job")
     letters = {d.task_id: d for d in DeadLetter.objects.all()}
     assert {d.reason for d in letters.values()} == {DeadLetterReason.BAD_INPUT}
     assert "tests.increment: arguments do not fit run" in letters[wrong_args.id].error_message
     assert letters[wrong_args.id].args == ["x", "1", 1, 0, False, "extra"]
-    assert ("tests.optional_key: idempotency key field 'thing_id' is missing"
-            in letters[missing_key.id].error_message)
+    assert (
+        "tests.optional_key: idempotency key field 'thing_id' is missing"
+        in letters[missing_key.id].error_message
+    )
     assert "unknown task name 'shop.no_such_task'" in letters[unknown.id].error_message
     assert letters[unknown.id].args == [1]
     assert "does not decode" in letters[undecodable_id].error_message
@@ -242,6 +281,23 @@ def test_decorator_form_task_runs_with_module_level_effect(start_worker, queue):
     wait_for(lambda: Attempt.objects.count() == 2, what="two attempts")
     assert Counter.objects.get(name="n").value == 1
     assert outcomes() == [Outcome.ALREADY_APPLIED, Outcome.APPLIED]
+
+
+def test_an_effect_inside_the_handlers_own_atomic_is_recorded_once_it_is_known(
+    start_worker, queue
+) -> None:
+    Counter.objects.bulk_create([Counter(name="ok"), Counter(name="bad")])
+    start_worker()
+    NestedEffect().apply_async(args=["ok", False], queue=queue)
+    NestedEffect().apply_async(args=["bad", True], queue=queue)
+    wait_for(lambda: Attempt.objects.count() == 2, what="both attempts")
+    assert dict(Attempt.objects.values_list("idempotency_key", "outcome")) == {
+        "nested:ok": Outcome.APPLIED,
+        "nested:bad": Outcome.FAILED_PERMANENT,
+    }
+    assert Counter.objects.get(name="ok").value == 1
+    assert Counter.objects.get(name="bad").value == 0  # the outer rollback took the effect
+    assert list(ProcessedOperation.objects.values_list("key", flat=True)) == ["nested:ok"]
 
 
 def test_key_travels_in_headers_from_publish(redis_client, queue):

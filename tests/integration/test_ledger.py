@@ -8,6 +8,7 @@ import time
 import pytest
 from django.db import DatabaseError, connection, connections, transaction
 from django.db.models import F
+from django.db.transaction import TransactionManagementError
 from django.test import override_settings
 
 from celery_explicit import IdempotencyConflict
@@ -152,12 +153,14 @@ def test_on_commit_hooks_run_after_the_effect_commits() -> None:
     assert ran == [True]  # ran once, and saw the committed row
 
 
-def test_a_failing_last_write_rolls_back_effect_and_ledger_and_leaves_a_clean_connection(
-) -> None:
+def test_a_failing_last_write_rolls_back_effect_and_ledger_and_leaves_a_clean_connection() -> None:
     Counter.objects.create(name="lw")
     bad = [("INSERT INTO no_such_table VALUES (%s)", [1])]
-    with pytest.raises(DatabaseError), ledger.effect(
-        key="k8", fingerprint="f", task_name="t", task_id="id", before_commit=lambda e: bad
+    with (
+        pytest.raises(DatabaseError),
+        ledger.effect(
+            key="k8", fingerprint="f", task_name="t", task_id="id", before_commit=lambda e: bad
+        ),
     ):
         Counter.objects.filter(name="lw").update(value=F("value") + 1)
     assert not ProcessedOperation.objects.filter(key="k8").exists()
@@ -165,6 +168,18 @@ def test_a_failing_last_write_rolls_back_effect_and_ledger_and_leaves_a_clean_co
     assert connection.get_autocommit()
     with claim("k8") as eff:  # the connection is usable and the key still free
         assert not eff.done
+
+
+def test_an_effect_marked_for_rollback_does_not_commit_and_says_so() -> None:
+    Counter.objects.create(name="nr")
+    with (
+        pytest.raises(TransactionManagementError, match="rolled back: a database error inside"),
+        ledger.effect(key="nr", fingerprint="f", task_name="t", task_id="i"),
+    ):
+        Counter.objects.filter(name="nr").update(value=1)
+        transaction.set_rollback(True)  # what a caught error inside atomic() leaves behind
+    assert Counter.objects.get(name="nr").value == 0
+    assert not ProcessedOperation.objects.filter(key="nr").exists()
 
 
 def test_before_commit_statements_commit_with_the_effect() -> None:
@@ -175,12 +190,24 @@ def test_before_commit_statements_commit_with_the_effect() -> None:
 
     now = timezone.now()
     fields = audit.attempt_fields(
-        task_id="t9", task_name="t", idempotency_key="k9", attempt=1, redelivered=False,
-        worker_host="h", worker_pid=1, started_at=now, finished_at=now,
+        task_id="t9",
+        task_name="t",
+        idempotency_key="k9",
+        attempt=1,
+        redelivered=False,
+        worker_host="h",
+        worker_pid=1,
+        started_at=now,
+        finished_at=now,
         outcome=Outcome.APPLIED,
     )
-    with ledger.effect(key="k9", fingerprint="f", task_name="t", task_id="t9",
-                       before_commit=lambda e: [audit.insert_statement(fields)]) as eff:
+    with ledger.effect(
+        key="k9",
+        fingerprint="f",
+        task_name="t",
+        task_id="t9",
+        before_commit=lambda e: [audit.insert_statement(fields)],
+    ) as eff:
         eff.result_ref = "r9"
     row = Attempt.objects.get(task_id="t9")
     assert row.outcome == Outcome.APPLIED
@@ -189,7 +216,8 @@ def test_before_commit_statements_commit_with_the_effect() -> None:
 
 
 def test_a_row_deleted_between_the_lost_claim_and_the_read_is_claimed_again(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A prune of old ledger rows can delete the row a claim lost to before the claim
     reads it: nothing holds the key any more, so the effect claims it again and runs."""
     with claim("k9", fingerprint="old") as eff:
@@ -197,9 +225,12 @@ def test_a_row_deleted_between_the_lost_claim_and_the_read_is_claimed_again(
     table = ProcessedOperation._meta.db_table
     # The read deletes the row (as a prune between the two statements would have) and
     # reads nothing.
-    monkeypatch.setattr(ledger, "_EXISTING_SQL",
-                        f"WITH pruned AS (DELETE FROM {table} WHERE key = %s) "
-                        f"SELECT fingerprint, result_ref FROM {table} WHERE false")
+    monkeypatch.setattr(
+        ledger,
+        "_EXISTING_SQL",
+        f"WITH pruned AS (DELETE FROM {table} WHERE key = %s) "
+        f"SELECT fingerprint, result_ref FROM {table} WHERE false",
+    )
     with claim("k9", fingerprint="new") as eff:
         assert not eff.done  # claimed again, not a conflict with the pruned row
         eff.result_ref = "second"

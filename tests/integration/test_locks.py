@@ -14,8 +14,9 @@ from celery_explicit.errors import LockConfigError, LockNotAcquired, LockNotOwne
 from celery_explicit.locks import LeaseLock, live_locks
 
 
-def lock(client: redis.Redis, prefix: str, name: str = "rebuild:user:123",
-         ttl: float = 5.0) -> LeaseLock:
+def lock(
+    client: redis.Redis, prefix: str, name: str = "rebuild:user:123", ttl: float = 5.0
+) -> LeaseLock:
     return LeaseLock(client, name, ttl=ttl, prefix=prefix)
 
 
@@ -53,12 +54,14 @@ def test_fencing_tokens_only_grow_across_holders(redis_client, prefix) -> None:
 def test_release_and_extend_by_a_non_owner_are_refused(redis_client, prefix) -> None:
     a, b = lock(redis_client, prefix), lock(redis_client, prefix)
     a.acquire()
-    with pytest.raises(LockNotOwned, match="Cannot release lock rebuild:user:123: this holder "
-                                           "never acquired it"):
+    with pytest.raises(
+        LockNotOwned, match="Cannot release lock rebuild:user:123: this holder never acquired it"
+    ):
         b.release()
     b.token = "not-the-owner"
-    with pytest.raises(LockNotOwned, match="Cannot extend lock rebuild:user:123: no longer "
-                                           "owned by this token") as caught:
+    with pytest.raises(
+        LockNotOwned, match="Cannot extend lock rebuild:user:123: no longer owned by this token"
+    ) as caught:
         b.extend()
     assert caught.value.lock_name == "rebuild:user:123"
     assert redis_client.get(a.key).decode().startswith(a.token)  # untouched
@@ -76,8 +79,7 @@ def test_a_stolen_key_is_never_released_by_the_old_owner(redis_client, prefix) -
     assert metrics.locks_lost.labels("rebuild", "release")._value.get() == before + 1
 
 
-def test_an_expired_lock_cannot_be_extended_and_leaving_hold_says_so(redis_client,
-                                                                     prefix) -> None:
+def test_an_expired_lock_cannot_be_extended_and_leaving_hold_says_so(redis_client, prefix) -> None:
     a = lock(redis_client, prefix, ttl=0.2)
     with pytest.raises(LockNotOwned, match="Cannot release lock"), a.hold():
         time.sleep(0.35)
@@ -90,20 +92,19 @@ def test_an_expired_lock_cannot_be_extended_and_leaving_hold_says_so(redis_clien
     b.release()
 
 
-def test_bounded_wait_gets_the_lock_when_released_and_records_the_wait(redis_client,
-                                                                       prefix) -> None:
+def test_bounded_wait_gets_the_lock_when_released_and_records_the_wait(
+    redis_client, prefix
+) -> None:
     a, b = lock(redis_client, prefix), lock(redis_client, prefix)
     waits = metrics.lock_wait_seconds.labels("rebuild")
-    count_before = sum(s.value for s in waits.collect()[0].samples
-                       if s.name.endswith("_count"))
+    count_before = sum(s.value for s in waits.collect()[0].samples if s.name.endswith("_count"))
     a.acquire()
     threading.Timer(0.3, a.release).start()
     started = time.monotonic()
     b.acquire(wait=3.0)
     waited = time.monotonic() - started
     assert 0.25 < waited < 2.0
-    count_after = sum(s.value for s in waits.collect()[0].samples
-                      if s.name.endswith("_count"))
+    count_after = sum(s.value for s in waits.collect()[0].samples if s.name.endswith("_count"))
     assert count_after == count_before + 2  # a's and b's acquisitions
     b.release()
     with pytest.raises(LockNotAcquired, match=r"waited \d+\.\d{3}s") as refused:
@@ -127,8 +128,7 @@ def test_operators_can_list_live_locks(redis_client, prefix, capsys, settings) -
     time.sleep(0.1)
     live = live_locks(redis_client, prefix=prefix)
     assert [x.name for x in live] == ["invoice:7", "rebuild:user:1"]
-    assert all(x.owner == a.owner and 0.05 < x.age < 5 and 0 < x.expires_in <= 5
-               for x in live)
+    assert all(x.owner == a.owner and 0.05 < x.age < 5 and 0 < x.expires_in <= 5 for x in live)
     settings.EXPLICIT_REDIS_URL = settings.REDIS_URL
     call_command("explicit_locks", "--prefix", prefix)
     out = capsys.readouterr().out

@@ -29,15 +29,23 @@ from django_outbox.dispatch import dispatch
 from django_outbox.models import DeadLetter, DeadLetterReason, OutboxEvent, OutboxStatus
 from django_outbox.outbox import publish_event
 from django_outbox.relay import Relay
-from tests.relays import queued
+from tests.support.processes import ROOT, ManagedProcess
+from tests.support.queues import queued
+from tests.support.waiting import wait_for
 from tests.testapp.tasks import Increment
-from tests.workers import ROOT, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def write_events(n: int, *, prefix: str, keys: int = 0, rollback_every: int = 0,
-                 seed: int = 1, seq: Tally[str] | None = None) -> tuple[list[str], list[str]]:
+def write_events(
+    n: int,
+    *,
+    prefix: str,
+    keys: int = 0,
+    rollback_every: int = 0,
+    seed: int = 1,
+    seq: Tally[str] | None = None,
+) -> tuple[list[str], list[str]]:
     """Write ``n`` Increment events in transactions of 1-5 events; some roll back.
 
     With ``keys``, events share that many ordering keys and number themselves per key
@@ -58,9 +66,14 @@ def write_events(n: int, *, prefix: str, keys: int = 0, rollback_every: int = 0,
                 for _ in range(min(rng.randint(1, 5), n - i)):
                     key = f"{prefix}{rng.randrange(keys)}" if keys else ""
                     name = key or f"{prefix}{i}"
-                    written.append(dispatch(
-                        Increment(), kwargs={"name": name, "op_id": str(seq[name])},
-                        durable=True, ordering_key=key))
+                    written.append(
+                        dispatch(
+                            Increment(),
+                            kwargs={"name": name, "op_id": str(seq[name])},
+                            durable=True,
+                            ordering_key=key,
+                        )
+                    )
                     seq[name] += 1
                     i += 1
                 if doomed:
@@ -73,16 +86,20 @@ def write_events(n: int, *, prefix: str, keys: int = 0, rollback_every: int = 0,
 
 
 def published_totals(relays) -> list[int]:  # type: ignore[no-untyped-def]
-    return [int(re.search(r"stopped: (\d+) published", r.log()).group(1))  # type: ignore[union-attr]
-            for r in relays]
+    return [
+        int(re.search(r"stopped: (\d+) published", r.log()).group(1))  # type: ignore[union-attr]
+        for r in relays
+    ]
 
 
-def test_three_relays_publish_each_committed_event_exactly_once(start_relay, queue,
-                                                               redis_client) -> None:
+def test_three_relays_publish_each_committed_event_exactly_once(
+    start_relay, queue, redis_client
+) -> None:
     relays = [start_relay("--batch-size", "10") for _ in range(3)]
     committed, rolled_back = write_events(300, prefix="once", rollback_every=7)
-    wait_for(lambda: not OutboxEvent.objects.pending().exists(), timeout=60,
-             what="every event relayed")
+    wait_for(
+        lambda: not OutboxEvent.objects.pending().exists(), timeout=60, what="every event relayed"
+    )
     ids = Tally(m["id"] for m in queued(redis_client, queue))
     assert set(ids) == set(committed)
     assert max(ids.values()) == 1  # exactly once
@@ -94,8 +111,9 @@ def test_three_relays_publish_each_committed_event_exactly_once(start_relay, que
     assert sum(1 for t in totals if t) >= 2  # the relays really shared the work
 
 
-def test_events_of_one_key_are_published_in_order_across_relays(start_relay, queue,
-                                                                 redis_client) -> None:
+def test_events_of_one_key_are_published_in_order_across_relays(
+    start_relay, queue, redis_client
+) -> None:
     relays = [start_relay("--batch-size", "4") for _ in range(3)]
     # Half written before the relays can keep up (a backlog they compete for), half
     # while they run.
@@ -103,8 +121,9 @@ def test_events_of_one_key_are_published_in_order_across_relays(start_relay, que
     with transaction.atomic():
         first, _ = write_events(120, prefix="key", keys=6, seed=2, seq=seq)
     more, _ = write_events(120, prefix="key", keys=6, seed=3, seq=seq)
-    wait_for(lambda: not OutboxEvent.objects.pending().exists(), timeout=60,
-             what="every event relayed")
+    wait_for(
+        lambda: not OutboxEvent.objects.pending().exists(), timeout=60, what="every event relayed"
+    )
     order: dict[str, list[int]] = {}
     for message in queued(redis_client, queue):
         order.setdefault(message["kwargs"]["name"], []).append(int(message["kwargs"]["op_id"]))
@@ -122,9 +141,13 @@ def test_notify_wakes_the_relay_without_polling(start_relay, queue) -> None:
         with transaction.atomic():
             event_id = publish_event("tests.note", {"name": f"wake{i}"})
         committed = time.monotonic()
-        wait_for(lambda: OutboxEvent.objects.filter(
-            event_id=event_id, status=OutboxStatus.PUBLISHED).exists(),  # noqa: B023
-            timeout=15, interval=0.01, what="the event published")
+        published = OutboxEvent.objects.filter(event_id=event_id, status=OutboxStatus.PUBLISHED)
+        wait_for(
+            published.exists,
+            timeout=15,
+            interval=0.01,
+            what="the event published",
+        )
         lags.append(time.monotonic() - committed)
     assert max(lags) < 10, lags  # woken by NOTIFY: polling would take 60 s
 
@@ -167,10 +190,12 @@ def test_negative_control_without_listen_an_idle_relay_waits_for_its_poll(queue)
 
 def test_unknown_task_is_dead_lettered_and_does_not_block_its_key(queue, redis_client) -> None:
     with transaction.atomic():
-        unknown = publish_event("shop.no_such_task", {"order_id": 1}, ordering_key="order:1",
-                                options={"queue": queue})
-        after = publish_event("tests.note", {"name": "after"}, ordering_key="order:1",
-                              options={"queue": queue})
+        unknown = publish_event(
+            "shop.no_such_task", {"order_id": 1}, ordering_key="order:1", options={"queue": queue}
+        )
+        after = publish_event(
+            "tests.note", {"name": "after"}, ordering_key="order:1", options={"queue": queue}
+        )
     result = Relay(poll_interval=0.1).drain()
     assert (result.dead_lettered, result.published) == (1, 1)
     letter = DeadLetter.objects.get()
@@ -185,10 +210,12 @@ def test_unknown_task_is_dead_lettered_and_does_not_block_its_key(queue, redis_c
 
 def test_one_bad_event_never_stops_the_relay(queue, redis_client) -> None:
     # Rows as an older deploy may have left them (written past today's checks).
-    bad_input = OutboxEvent.objects.create(task_name="tests.increment", kwargs={"name": "x"},
-                                           options={"queue": queue})
-    failing = OutboxEvent.objects.create(task_name="tests.note", kwargs={"name": "f"},
-                                         options={"queue": 5})
+    bad_input = OutboxEvent.objects.create(
+        task_name="tests.increment", kwargs={"name": "x"}, options={"queue": queue}
+    )
+    failing = OutboxEvent.objects.create(
+        task_name="tests.note", kwargs={"name": "f"}, options={"queue": 5}
+    )
     good = [publish_in_transaction({"name": f"good{i}"}, queue) for i in range(3)]
     result = Relay(rng=LongestBackoff()).drain()
     assert (result.published, result.dead_lettered, result.failed) == (3, 1, 1)
@@ -196,7 +223,8 @@ def test_one_bad_event_never_stops_the_relay(queue, redis_client) -> None:
     bad_input.refresh_from_db()
     assert bad_input.status == OutboxStatus.DEAD_LETTER
     assert DeadLetter.objects.get(task_id=str(bad_input.event_id)).reason == (
-        DeadLetterReason.BAD_INPUT)
+        DeadLetterReason.BAD_INPUT
+    )
     failing.refresh_from_db()
     assert (failing.status, failing.attempts) == (OutboxStatus.PENDING, 1)
     assert "AttributeError" in failing.last_error
@@ -208,7 +236,8 @@ def test_one_bad_event_never_stops_the_relay(queue, redis_client) -> None:
     failing.refresh_from_db()
     assert (failing.status, failing.attempts) == (OutboxStatus.DEAD_LETTER, 2)
     assert DeadLetter.objects.get(task_id=str(failing.event_id)).reason == (
-        DeadLetterReason.EXHAUSTED)
+        DeadLetterReason.EXHAUSTED
+    )
 
 
 class LongestBackoff(random.Random):
@@ -228,26 +257,29 @@ def test_prune_deletes_finished_events_older_than_the_retention() -> None:
     old, recent = now - timedelta(days=8), now - timedelta(days=1)
 
     def event(status: OutboxStatus, created: object, published: object = None) -> int:
-        row = OutboxEvent.objects.create(task_name="tests.note", status=status,
-                                         published_at=published)
+        row = OutboxEvent.objects.create(
+            task_name="tests.note", status=status, published_at=published
+        )
         OutboxEvent.objects.filter(pk=row.pk).update(created_at=created)
         return row.pk
 
     gone = [event(OutboxStatus.PUBLISHED, old, old) for _ in range(3)]
     gone.append(event(OutboxStatus.DEAD_LETTER, old))
-    kept = [event(OutboxStatus.PUBLISHED, old, recent),  # published yesterday
-            event(OutboxStatus.PENDING, now - timedelta(days=30)),  # never pruned
-            event(OutboxStatus.DEAD_LETTER, recent)]
+    kept = [
+        event(OutboxStatus.PUBLISHED, old, recent),  # published yesterday
+        event(OutboxStatus.PENDING, now - timedelta(days=30)),  # never pruned
+        event(OutboxStatus.DEAD_LETTER, recent),
+    ]
     call_command("outbox_prune", "--older-than", "7d", "--batch-size", "2")
     assert sorted(OutboxEvent.objects.values_list("pk", flat=True)) == sorted(kept)
     assert not OutboxEvent.objects.filter(pk__in=gone).exists()
 
 
 def staff(*perms: str) -> Client:
-    user = User.objects.create_user("op-" + "-".join(perms or ("none",)), password="pw",
-                                    is_staff=True)
-    user.user_permissions.add(*Permission.objects.filter(
-        codename__in=["view_outboxevent", *perms]))
+    user = User.objects.create_user(
+        "op-" + "-".join(perms or ("none",)), password="pw", is_staff=True
+    )
+    user.user_permissions.add(*Permission.objects.filter(codename__in=["view_outboxevent", *perms]))
     client = Client()
     client.force_login(user)
     return client
@@ -261,10 +293,13 @@ def test_admin_shows_the_backlog_and_retries_now() -> None:
     waiting = OutboxEvent.objects.order_by("id").last()
     assert waiting is not None
     OutboxEvent.objects.filter(pk=waiting.pk).update(
-        available_at=timezone.now() + timedelta(hours=1), attempts=3,
-        last_error="kombu.exceptions.OperationalError: broker down")
+        available_at=timezone.now() + timedelta(hours=1),
+        attempts=3,
+        last_error="kombu.exceptions.OperationalError: broker down",
+    )
     OutboxEvent.objects.filter(pk=waiting.pk - 1).update(
-        created_at=timezone.now() - timedelta(minutes=5))
+        created_at=timezone.now() - timedelta(minutes=5)
+    )
 
     viewer = staff()
     page = viewer.get(changelist).content.decode()
@@ -287,36 +322,53 @@ def test_sqlite_relay_polls_without_listen_notify(tmp_path: Path, queue, redis_c
     (tmp_path / "sqlite_settings.py").write_text(
         "from tests.settings import *  # noqa\n"
         f"DATABASES = {{'default': {{'ENGINE': 'django.db.backends.sqlite3', "
-        f"'NAME': {str(tmp_path / 'db.sqlite3')!r}}}}}\n")
-    env = {"DJANGO_SETTINGS_MODULE": "sqlite_settings", "EXPLICIT_TEST_QUEUE": queue,
-           "PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"}
+        f"'NAME': {str(tmp_path / 'db.sqlite3')!r}}}}}\n"
+    )
+    from django.conf import settings
+
+    env = {
+        "DJANGO_SETTINGS_MODULE": "sqlite_settings",
+        "EXPLICIT_TEST_QUEUE": queue,
+        "EXPLICIT_TEST_REDIS_URL": settings.REDIS_URL,  # the Redis redis_client reads
+        "PYTHONPATH": f"{tmp_path}:{ROOT}",
+        "PATH": "/usr/bin:/bin",
+    }
 
     def django(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "django", *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=60, check=True)
+        return subprocess.run(
+            [sys.executable, "-m", "django", *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
 
     django("migrate", "-v", "0")
-    log = open(tmp_path / "relay.log", "w")  # noqa: SIM115
-    relay = subprocess.Popen([sys.executable, "-m", "django", "outbox_relay",
-                              "--poll-interval", "0.2"], cwd=ROOT, env=env, stdout=log,
-                             stderr=subprocess.STDOUT)
+    relay = ManagedProcess(
+        [sys.executable, "-m", "django", "outbox_relay", "--poll-interval", "0.2"],
+        name="relay",
+        log_dir=tmp_path,
+        env=env,
+        ready="ready",
+    )
     try:
-        wait_for(lambda: "ready" in (tmp_path / "relay.log").read_text(), timeout=30,
-                 what="the relay")
-        assert "wake-up: polling" in (tmp_path / "relay.log").read_text()
-        django("shell", "-c", "from django.db import transaction\n"
-               "from django_outbox.outbox import publish_event\n"
-               "with transaction.atomic():\n"
-               "    print(publish_event('tests.note', {'name': 'on-sqlite'}))")
-        message = wait_for(lambda: queued(redis_client, queue), timeout=10,
-                           what="the message")
+        relay.wait_ready(timeout=30)
+        assert "wake-up: polling" in relay.log()
+        django(
+            "shell",
+            "-c",
+            "from django.db import transaction\n"
+            "from django_outbox.outbox import publish_event\n"
+            "with transaction.atomic():\n"
+            "    print(publish_event('tests.note', {'name': 'on-sqlite'}))",
+        )
+        message = wait_for(lambda: queued(redis_client, queue), timeout=10, what="the message")
         assert message[0]["kwargs"] == {"name": "on-sqlite"}
-        relay.send_signal(signal.SIGTERM)
-        assert relay.wait(10) == 0
+        assert relay.stop(signal.SIGTERM, timeout=10) == 0
     finally:
-        if relay.poll() is None:
-            relay.kill()
-        log.close()
+        relay.stop(signal.SIGKILL)
 
 
 def test_an_event_naming_a_missing_queue_is_its_own_failure(queue, redis_client) -> None:
@@ -324,8 +376,9 @@ def test_an_event_naming_a_missing_queue_is_its_own_failure(queue, redis_client)
     error: it must not pass for a broker outage that holds every event back."""
     from tests.celery_app import app
 
-    missing = OutboxEvent.objects.create(task_name="tests.note", kwargs={"name": "m"},
-                                         options={"queue": f"{queue}-removed"})
+    missing = OutboxEvent.objects.create(
+        task_name="tests.note", kwargs={"name": "m"}, options={"queue": f"{queue}-removed"}
+    )
     with transaction.atomic():  # to the default queue: the only one configured
         good = publish_event("tests.note", {"name": "good"})
     default_queue = app.conf.task_default_queue
@@ -348,9 +401,12 @@ def test_an_event_naming_a_missing_queue_is_its_own_failure(queue, redis_client)
 
 
 def test_a_malformed_row_is_dead_lettered_not_fatal(queue, redis_client) -> None:
-    malformed = OutboxEvent.objects.create(task_name="tests.note", kwargs={"name": "x"},
-                                           headers=["not", "a", "dict"],
-                                           options={"queue": queue})
+    malformed = OutboxEvent.objects.create(
+        task_name="tests.note",
+        kwargs={"name": "x"},
+        headers=["not", "a", "dict"],
+        options={"queue": queue},
+    )
     good = publish_in_transaction({"name": "good"}, queue)
     result = Relay().drain()
     assert (result.published, result.dead_lettered) == (1, 1)

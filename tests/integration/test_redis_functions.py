@@ -1,4 +1,4 @@
-"""The lock's Lua as Redis functions, on real Redis: FCALL, reload, and the script fallback.
+"""Our Lua as Redis functions, on real Redis: FCALL, reload, and the script fallback.
 
 What runs is read from the server's own counters (``INFO commandstats``), so the tests
 see which command Redis executed, not what the client meant to send. Those counters are
@@ -9,9 +9,6 @@ scripts once added to the count.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,30 +16,21 @@ from pathlib import Path
 import pytest
 import redis
 
-from celery_explicit.locks import _LIBRARY, LeaseLock
+from celery_explicit import redis_scripts
+from celery_explicit.locks import LeaseLock
+from tests.support.servers import PrivateRedis
 
 
 @pytest.fixture(scope="module")
 def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A redis-server nobody else talks to; the path of its socket."""
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server is not installed (scripts/lib.sh installs it)"
-    directory = tmp_path_factory.mktemp("redis")
-    socket = directory / "redis.sock"
-    server = subprocess.Popen(
-        [binary, "--port", "0", "--unixsocket", str(socket), "--save", "",
-         "--appendonly", "no", "--dir", str(directory)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    server = PrivateRedis(tmp_path_factory.mktemp("redis"), unix_socket=True, durable=False)
+    server.start()
     try:
-        deadline = time.monotonic() + 10
-        while not socket.exists():
-            assert server.poll() is None, "the private redis-server exited"
-            assert time.monotonic() < deadline, "the private redis-server did not start"
-            time.sleep(0.05)
-        yield socket
+        assert server.socket_path is not None
+        yield server.socket_path
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
 
 
 @pytest.fixture
@@ -93,28 +81,31 @@ def test_the_lock_runs_as_functions_of_one_loaded_library(redis_client, prefix) 
     assert second == first + 1
     assert calls(redis_client, "fcall") - fcalls == 5
     assert calls(redis_client, "evalsha") - evals == 0
-    libraries = redis_client.execute_command("FUNCTION", "LIST", "LIBRARYNAME", _LIBRARY.name)
+    name = redis_scripts.library().name
+    libraries = redis_client.execute_command("FUNCTION", "LIST", "LIBRARYNAME", name)
     assert len(libraries) == 1  # named with its code's hash: one version, one library
 
 
 def test_a_library_that_disappeared_is_loaded_again(redis_client, prefix) -> None:
     cycle(redis_client, prefix)  # loaded through this client
-    redis_client.execute_command("FUNCTION", "DELETE", _LIBRARY.name)
+    redis_client.execute_command("FUNCTION", "DELETE", redis_scripts.library().name)
     fcalls, failures = calls(redis_client, "fcall"), failed(redis_client, "fcall")
     first, second = cycle(redis_client, prefix)  # the first call finds it missing
     assert second == first + 1
     # Five calls, the first of them twice: missing, then again after the reload.
     assert failed(redis_client, "fcall") - failures == 1
     assert calls(redis_client, "fcall") - fcalls == 5
-    assert redis_client.execute_command("FUNCTION", "LIST", "LIBRARYNAME", _LIBRARY.name)
+    name = redis_scripts.library().name
+    assert redis_client.execute_command("FUNCTION", "LIST", "LIBRARYNAME", name)
 
 
 @pytest.fixture
 def client_without_functions(redis_client: redis.Redis) -> Iterator[redis.Redis]:
     """A Redis user that may run everything but FUNCTION (an ACL some hosts ship)."""
     user, password = f"explicit-test-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
-    redis_client.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*",
-                                 "+@all", "-function")
+    redis_client.execute_command(
+        "ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all", "-function"
+    )
     socket = redis_client.connection_pool.connection_kwargs["path"]
     client = redis.Redis(unix_socket_path=socket, username=user, password=password)
     yield client
@@ -123,7 +114,8 @@ def client_without_functions(redis_client: redis.Redis) -> Iterator[redis.Redis]
 
 
 def test_without_functions_the_same_lua_runs_as_scripts(
-        redis_client, client_without_functions, prefix) -> None:
+    redis_client, client_without_functions, prefix
+) -> None:
     with pytest.raises(redis.exceptions.NoPermissionError):
         client_without_functions.execute_command("FUNCTION", "LIST")  # the ACL holds
     fcalls, evals = calls(redis_client, "fcall"), calls(redis_client, "evalsha")
@@ -133,25 +125,52 @@ def test_without_functions_the_same_lua_runs_as_scripts(
     assert calls(redis_client, "evalsha") - evals == 5
 
 
-def test_pipelined_scripts_cost_one_round_trip_and_load_where_missing(redis_client) -> None:
-    """``redis_state.run_pipelined`` (the leases' heartbeat): EVALSHA for each call, and
-    no ``SCRIPT EXISTS`` before it, which a pipeline handed a Script object would send."""
-    from celery_explicit import redis_state
+# KEYS[1] - a counter   ARGV[1] - by how much   return the new value
+INCREMENT = redis_scripts.Script("test_increment", "return redis.call('incrby', KEYS[1], ARGV[1])")
+INCREMENTS = [
+    (INCREMENT, ["explicit-test:counter"], [2]),
+    (INCREMENT, ["explicit-test:counter"], [3]),
+]
 
-    source = "return redis.call('incrby', KEYS[1], ARGV[1])"
-    increments = [[1, "explicit-test:counter", 2], [1, "explicit-test:counter", 3]]
-    before = {c: (calls(redis_client, c), failed(redis_client, c))
-              for c in ("evalsha", "script|load", "script|exists")}
+
+def deltas(client: redis.Redis, commands: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    before = {c: (calls(client, c), failed(client, c)) for c in commands}
 
     def delta(command: str) -> tuple[int, int]:
         done, refused = before[command]
-        return calls(redis_client, command) - done, failed(redis_client, command) - refused
+        return calls(client, command) - done, failed(client, command) - refused
 
-    # The server has not seen this script: the first pipeline finds it missing (two
-    # NOSCRIPT replies), loads it once and sends the pipeline again.
-    assert redis_state.run_pipelined(redis_client, source, increments) == [2, 5]
+    return delta
+
+
+def test_pipelined_calls_cost_one_round_trip_and_load_where_missing(redis_client) -> None:
+    """``redis_scripts.call_many`` (the leases' heartbeat): an FCALL for each call, no
+    ``SCRIPT EXISTS`` (which a pipeline handed a redis-py Script object would send),
+    and the library loaded again when the server lost it."""
+    delta = deltas(redis_client, ("fcall", "function|load", "script|exists", "evalsha"))
+    assert redis_scripts.call_many(redis_client, INCREMENTS) == [2, 5]
+    assert delta("fcall") == (2, 0)
+    assert delta("function|load") == (1, 0)
+    redis_client.execute_command("FUNCTION", "DELETE", redis_scripts.library().name)
+    # The server lost the library: the pipeline finds both functions missing, loads
+    # the library once and sends the pipeline again.
+    assert redis_scripts.call_many(redis_client, INCREMENTS) == [7, 10]
+    assert delta("fcall") == (4, 2)
+    assert delta("function|load") == (2, 0)
+    assert delta("script|exists") == (0, 0)
+    assert delta("evalsha") == (0, 0)
+
+
+def test_pipelined_scripts_without_functions_load_once_where_missing(
+    redis_client, client_without_functions
+) -> None:
+    """The same pipeline as scripts: EVALSHA for each call; where the server has not
+    seen the script (two NOSCRIPT replies) it is loaded once and the pipeline resent."""
+    delta = deltas(redis_client, ("evalsha", "script|load", "script|exists", "fcall"))
+    assert redis_scripts.call_many(client_without_functions, INCREMENTS) == [2, 5]
     assert delta("evalsha") == (2, 2)
-    assert redis_state.run_pipelined(redis_client, source, increments) == [7, 10]
+    assert redis_scripts.call_many(client_without_functions, INCREMENTS) == [7, 10]
     assert delta("evalsha") == (4, 2)
     assert delta("script|load") == (1, 0)
     assert delta("script|exists") == (0, 0)
+    assert delta("fcall") == (0, 0)

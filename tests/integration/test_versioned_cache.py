@@ -20,13 +20,12 @@ from django.core.cache import cache as django_cache
 from django.db import connections, transaction
 from django_redis import get_redis_connection
 
+from celery_explicit import redis_scripts
 from django_outbox.cache import (
     CacheAside,
     CacheConfigError,
     CacheKeyError,
     VersionedCache,
-    _run,
-    _script,
 )
 from tests.testapp.models import CachedProfile
 
@@ -174,8 +173,15 @@ def test_a_rollback_bumps_nothing(r: redis.Redis, prefix: str) -> None:
 def test_bumps_only_move_forward_even_past_2_to_the_53(r: redis.Redis, prefix: str) -> None:
     profiles = VersionedCache(TEMPLATE, source=load_profile)
     key = f"{prefix}:1:user_profile:5:ver"
-    for version, expected in [(9, 9), (10, 10), (9, 10), (10, 10), (2**60, 2**60),
-                              (2**60 + 1, 2**60 + 1), (2**60, 2**60 + 1)]:
+    for version, expected in [
+        (9, 9),
+        (10, 10),
+        (9, 10),
+        (10, 10),
+        (2**60, 2**60),
+        (2**60 + 1, 2**60 + 1),
+        (2**60, 2**60 + 1),
+    ]:
         profiles.bump(version, user_id=5)  # outside a transaction: at once
         assert r.get(key) == str(expected).encode(), version
 
@@ -217,23 +223,29 @@ def test_a_fill_inside_a_transaction_waits_for_its_commit(
 def test_errors_from_the_source_and_the_backend_name_the_cache(prefix: str) -> None:
     CachedProfile.objects.create(user_id=8, name="x", version=1)
     bad = VersionedCache(TEMPLATE, source=lambda *, user_id: ({"x": 1}, -1))
-    with pytest.raises(CacheKeyError, match="Cache user_profile: version returned by the "
-                                            "source must be a non-negative integer, got -1"):
+    with pytest.raises(
+        CacheKeyError,
+        match="Cache user_profile: version returned by the "
+        "source must be a non-negative integer, got -1",
+    ):
         bad.get(user_id=8)
     untupled = VersionedCache(TEMPLATE, source=lambda *, user_id: {"x": 1})  # type: ignore
     with pytest.raises(CacheKeyError, match=r"must return \(value, version\)"):
         untupled.get(user_id=8)
     on_locmem = VersionedCache(TEMPLATE, source=load_profile, cache="locmem")
-    with pytest.raises(CacheConfigError, match="cache alias 'locmem' is not a django-redis") \
-            as caught:
+    with pytest.raises(
+        CacheConfigError, match="cache alias 'locmem' is not a django-redis"
+    ) as caught:
         on_locmem.get(user_id=8)
     assert (caught.value.cache_name, caught.value.field) == ("user_profile", "cache")
 
 
 def test_a_bump_that_fails_after_commit_is_counted_not_raised(settings: Any) -> None:
     # A real failure: a Redis that refuses connections, not a mock.
-    settings.CACHES = {**settings.CACHES, "down": {
-        "BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://127.0.0.1:1/0"}}
+    settings.CACHES = {
+        **settings.CACHES,
+        "down": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://127.0.0.1:1/0"},
+    }
     CachedProfile.objects.create(user_id=12, name="old", version=1)
     profiles = VersionedCache(TEMPLATE, source=load_profile, cache="down")
     with transaction.atomic():
@@ -246,14 +258,16 @@ def test_a_bump_that_fails_after_commit_is_counted_not_raised(settings: Any) -> 
         profiles.get(user_id=12)
 
 
-def test_a_lost_script_cache_costs_one_eval(r: redis.Redis) -> None:
-    # A body Redis has never seen: the same state as after a restart or SCRIPT FLUSH,
-    # without flushing the scripts of other tests sharing this Redis.
-    fresh = _script(f"return 'ok' -- {uuid.uuid4().hex}")
-    assert r.script_exists(fresh.sha) == [False]
-    assert _run(r, fresh, [], []) == b"ok"
-    assert r.script_exists(fresh.sha) == [True]
-    assert _run(r, fresh, [], []) == b"ok"
+def test_a_lost_library_is_loaded_again_by_the_call_that_finds_it_missing(r: redis.Redis) -> None:
+    # The cache's scripts run as functions of the package's library: a Redis that lost
+    # it (a restart without persistence, FUNCTION FLUSH, a promoted replica) has it
+    # loaded again by the first call, which then succeeds.
+    fresh = redis_scripts.Script(f"test_fresh_{uuid.uuid4().hex[:8]}", "return 'ok'")
+    assert redis_scripts.call(r, fresh, [], []) == b"ok"
+    r.execute_command("FUNCTION", "DELETE", redis_scripts.library().name)
+    assert not r.execute_command("FUNCTION", "LIST", "LIBRARYNAME", redis_scripts.library().name)
+    assert redis_scripts.call(r, fresh, [], []) == b"ok"
+    assert r.execute_command("FUNCTION", "LIST", "LIBRARYNAME", redis_scripts.library().name)
 
 
 # --- the race a version (or a lease) closes ---------------------------------------------
@@ -295,7 +309,8 @@ def test_a_reader_that_read_before_the_commit_cannot_cache_its_old_value(
     else:
         read = lambda: naive_reader(9, paused)  # noqa: E731
         invalidate = lambda: transaction.on_commit(  # noqa: E731
-            lambda: django_cache.delete("naive:9"))
+            lambda: django_cache.delete("naive:9")
+        )
 
     seen: list[Any] = []
 
@@ -329,8 +344,11 @@ def test_cache_aside_reads_through_and_invalidates_after_commit_only(
     r: redis.Redis, prefix: str, round_trips: Callable[[], int]
 ) -> None:
     CachedProfile.objects.create(user_id=10, name="old", version=1)
-    names = CacheAside("user_name:{user_id}", source=lambda *, user_id: load_profile(
-        user_id=user_id)[0]["name"], timeout=30.0)
+    names = CacheAside(
+        "user_name:{user_id}",
+        source=lambda *, user_id: load_profile(user_id=user_id)[0]["name"],
+        timeout=30.0,
+    )
     assert names.get(user_id=10) == "old"
     assert 29_000 < r.pttl(f"{prefix}:1:user_name:10") <= 30_000
     assert not r.exists(f"{prefix}:1:user_name:10:lease")  # given back by the fill

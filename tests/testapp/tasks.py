@@ -31,8 +31,14 @@ class Increment(ExplicitTask):
     retry_on = (TransientError,)
     fail_on = (ValueError,)
 
-    def run(self, name: str, op_id: str, amount: int = 1, hold: float = 0.0,
-            die_after_effect: bool = False) -> str:
+    def run(
+        self,
+        name: str,
+        op_id: str,
+        amount: int = 1,
+        hold: float = 0.0,
+        die_after_effect: bool = False,
+    ) -> str:
         with self.effect() as eff:
             if eff.done:
                 return eff.result_ref
@@ -48,8 +54,9 @@ class Increment(ExplicitTask):
 
 
 @app.task(name="tests.increment_unguarded", acks_late=True, reject_on_worker_lost=True)
-def increment_unguarded(name: str, op_id: str, amount: int = 1, hold: float = 0.0,
-                        die_after_effect: bool = False) -> None:
+def increment_unguarded(
+    name: str, op_id: str, amount: int = 1, hold: float = 0.0, die_after_effect: bool = False
+) -> None:
     """Negative control: the same update and the same crash, without the ledger."""
     import redis
     from django.conf import settings
@@ -60,7 +67,8 @@ def increment_unguarded(name: str, op_id: str, amount: int = 1, hold: float = 0.
         time.sleep(hold)
     # Die once per operation (a marker in Redis), or the redelivery would die forever.
     if die_after_effect and redis.Redis.from_url(settings.REDIS_URL).set(
-            f"died:{name}:{op_id}", 1, nx=True, ex=300):
+        f"died:{name}:{op_id}", 1, nx=True, ex=300
+    ):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -149,9 +157,15 @@ class OptionalKey(ExplicitTask):
         return None
 
 
-@app.task(base=ExplicitTask, name="tests.note", idempotency_key="note:{name}",
-          visibility_timeout=20, expected_duration=1, retry_on=(TransientError,),
-          fail_on=(ValueError,))
+@app.task(
+    base=ExplicitTask,
+    name="tests.note",
+    idempotency_key="note:{name}",
+    visibility_timeout=20,
+    expected_duration=1,
+    retry_on=(TransientError,),
+    fail_on=(ValueError,),
+)
 def note(name: str, request_id: str = "") -> None:
     """Decorator form without bind=True: the module-level effect() helper."""
     with effect() as eff:
@@ -290,12 +304,12 @@ class Overrun(ExplicitTask):
             time.sleep(5)  # ignores it: the hard limit kills the process
 
 
-WAREHOUSE = Downstream("test-warehouse", concurrency=1, failure_threshold=3, cool_down=1.5,
-                       defer_base=0.2)
+WAREHOUSE = Downstream(
+    "test-warehouse", concurrency=1, failure_threshold=3, cool_down=1.5, defer_base=0.2
+)
 WIDE_WAREHOUSE = Downstream("test-wide-warehouse", concurrency=10, defer_base=0.2)
 # Negative control for the breaker: a threshold it never reaches.
-NO_BREAKER = Downstream("test-no-breaker", concurrency=1, failure_threshold=10_000,
-                        defer_base=0.2)
+NO_BREAKER = Downstream("test-no-breaker", concurrency=1, failure_threshold=10_000, defer_base=0.2)
 
 
 class CallWarehouse(ExplicitTask):
@@ -465,8 +479,7 @@ class ApplyOrderEvent(ExplicitTask):
         with self.effect() as eff:
             if eff.done:
                 return
-            OrderState.objects.update_or_create(order_id=order_id,
-                                                defaults={"status": str(seq)})
+            OrderState.objects.update_or_create(order_id=order_id, defaults={"status": str(seq)})
         redis.Redis.from_url(settings.REDIS_URL).rpush(f"applied:{tag}:{order_id}", seq)
 
 

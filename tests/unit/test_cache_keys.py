@@ -39,8 +39,9 @@ def profiles(key: str = "user_profile:{user_id}", **options: Any) -> Any:
 def test_bad_templates_are_refused_at_declaration(
     key: str, field: str | None, message: str
 ) -> None:
-    with pytest.raises(CacheConfigError, match=message.replace("{", r"\{").replace("(", r"\(")) \
-            as caught:
+    with pytest.raises(
+        CacheConfigError, match=message.replace("{", r"\{").replace("(", r"\(")
+    ) as caught:
         profiles(key)
     assert caught.value.field == field
     assert isinstance(caught.value, ImproperlyConfigured | ExplicitError)
@@ -55,8 +56,10 @@ def test_a_cache_aside_template_with_a_version_points_to_versioned_cache() -> No
 @pytest.mark.parametrize("option", ["timeout", "lease"])
 @pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "30", None])
 def test_durations_must_be_positive_finite_seconds(option: str, value: object) -> None:
-    with pytest.raises(CacheConfigError, match=f"Cache user_name: {option}=.* must be a "
-                                               "positive, finite number of seconds") as caught:
+    with pytest.raises(
+        CacheConfigError,
+        match=f"Cache user_name: {option}=.* must be a positive, finite number of seconds",
+    ) as caught:
         CacheAside("user_name:{user_id}", source=source, **{option: value})
     assert caught.value.field == option
 
@@ -87,8 +90,7 @@ def test_fields_that_do_not_fit_name_the_cache_and_the_field(
     fields: dict[str, Any], field: str, message: str
 ) -> None:
     cache = profiles()
-    for call in (cache.get, cache.get_versioned, cache.verify,
-                 lambda **f: cache.bump(1, **f)):
+    for call in (cache.get, cache.get_versioned, cache.verify, lambda **f: cache.bump(1, **f)):
         with pytest.raises(CacheKeyError, match=f"^Cache user_profile: .*{message}") as caught:
             call(**fields)
         assert (caught.value.cache_name, caught.value.field) == ("user_profile", field)
@@ -97,8 +99,10 @@ def test_fields_that_do_not_fit_name_the_cache_and_the_field(
 
 @pytest.mark.parametrize("version", [-1, 1.0, "2", True, None])
 def test_bump_refuses_a_version_that_is_not_a_non_negative_integer(version: object) -> None:
-    with pytest.raises(CacheKeyError, match="Cache user_profile: version given to bump\\(\\) "
-                                            "must be a non-negative integer") as caught:
+    with pytest.raises(
+        CacheKeyError,
+        match="Cache user_profile: version given to bump\\(\\) must be a non-negative integer",
+    ) as caught:
         profiles().bump(version, user_id=1)
     assert caught.value.field == "version"
 

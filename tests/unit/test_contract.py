@@ -52,8 +52,9 @@ def test_a_complete_declaration_is_accepted() -> None:
     assert task.serializer == "json"
 
 
-@pytest.mark.parametrize("field", ["idempotency_key", "visibility_timeout", "expected_duration",
-                                   "retry_on", "fail_on"])
+@pytest.mark.parametrize(
+    "field", ["idempotency_key", "visibility_timeout", "expected_duration", "retry_on", "fail_on"]
+)
 def test_each_missing_declaration_names_task_and_field(field: str) -> None:
     with pytest.raises(ContractError) as caught:
         define(**{field: DROP})
@@ -63,8 +64,11 @@ def test_each_missing_declaration_names_task_and_field(field: str) -> None:
 
 
 def test_key_field_must_be_a_run_parameter() -> None:
-    with pytest.raises(ContractError, match=r"field 'order_id' is not a parameter of run\(\) "
-                                            r"\(parameters: payment_id\)"):
+    with pytest.raises(
+        ContractError,
+        match=r"field 'order_id' is not a parameter of run\(\) "
+        r"\(parameters: payment_id\)",
+    ):
         define(idempotency_key="order:{order_id}:ship")
 
 
@@ -116,8 +120,11 @@ def test_retry_on_must_hold_exception_classes() -> None:
 
 
 def test_typo_in_class_body_is_refused_with_a_hint() -> None:
-    with pytest.raises(ContractError, match=r"unknown option 'retry_onn'; did you mean "
-                                            r"'retry_on'\?"):
+    with pytest.raises(
+        ContractError,
+        match=r"unknown option 'retry_onn'; did you mean "
+        r"'retry_on'\?",
+    ):
         define(retry_onn=(GatewayTimeout,))
 
 
@@ -126,15 +133,19 @@ def test_class_body_helpers_far_from_any_option_are_allowed() -> None:
     assert task.contract is not None
 
 
-@pytest.mark.parametrize(("option", "value", "needle"), [
-    ("serializer", "pickle", "code execution"),
-    ("acks_late", False, "acknowledged only after"),
-    ("reject_on_worker_lost", False, "delivered again"),
-    ("autoretry_for", (GatewayTimeout,), "retry_on / fail_on"),
-    ("max_retries", 3, "max_attempts"),
-])
-def test_options_that_would_undo_the_contract_are_refused(option: str, value: object,
-                                                          needle: str) -> None:
+@pytest.mark.parametrize(
+    ("option", "value", "needle"),
+    [
+        ("serializer", "pickle", "code execution"),
+        ("acks_late", False, "acknowledged only after"),
+        ("reject_on_worker_lost", False, "delivered again"),
+        ("autoretry_for", (GatewayTimeout,), "retry_on / fail_on"),
+        ("max_retries", 3, "max_attempts"),
+    ],
+)
+def test_options_that_would_undo_the_contract_are_refused(
+    option: str, value: object, needle: str
+) -> None:
     with pytest.raises(ContractError, match=needle) as caught:
         define(**{option: value})
     assert caught.value.field == option
@@ -151,19 +162,33 @@ def test_unclassified_and_attempt_options_are_validated() -> None:
 
 
 def test_abstract_base_is_validated_through_its_subclasses() -> None:
-    base = type("ShopTask", (ExplicitTask,), {"abstract": True, "visibility_timeout": 60,
-                                               "expected_duration": 5})
+    base = type(
+        "ShopTask",
+        (ExplicitTask,),
+        {"abstract": True, "visibility_timeout": 60, "expected_duration": 5},
+    )
 
     def run(self: Any, order_id: int) -> None:
         return None
 
-    concrete = type("Ship", (base,), {"name": "shop.ship", "run": run,
-                                      "idempotency_key": "order:{order_id}:ship",
-                                      "retry_on": (), "fail_on": ()})
+    concrete = type(
+        "Ship",
+        (base,),
+        {
+            "name": "shop.ship",
+            "run": run,
+            "idempotency_key": "order:{order_id}:ship",
+            "retry_on": (),
+            "fail_on": (),
+        },
+    )
     assert concrete.contract.visibility_timeout == 60.0
     with pytest.raises(ContractError, match="missing declaration 'retry_on'"):
-        type("Ship2", (base,), {"name": "shop.ship2", "run": run,
-                                "idempotency_key": "order:{order_id}:ship"})
+        type(
+            "Ship2",
+            (base,),
+            {"name": "shop.ship2", "run": run, "idempotency_key": "order:{order_id}:ship"},
+        )
 
 
 def make_app() -> Celery:
@@ -173,9 +198,16 @@ def make_app() -> Celery:
 def test_decorator_form_is_accepted_and_validated() -> None:
     app = make_app()
 
-    @app.task(base=ExplicitTask, shared=False, name="shop.send_invoice_email",
-              idempotency_key="invoice:{invoice_id}:send_email", visibility_timeout=120,
-              expected_duration=10, retry_on=(GatewayTimeout,), fail_on=(CardDeclined,))
+    @app.task(
+        base=ExplicitTask,
+        shared=False,
+        name="shop.send_invoice_email",
+        idempotency_key="invoice:{invoice_id}:send_email",
+        visibility_timeout=120,
+        expected_duration=10,
+        retry_on=(GatewayTimeout,),
+        fail_on=(CardDeclined,),
+    )
     def send_invoice_email(invoice_id: int) -> None:
         return None
 
@@ -186,25 +218,43 @@ def test_decorator_form_is_accepted_and_validated() -> None:
 def test_decorator_form_refuses_any_unknown_option() -> None:
     app = make_app()
 
-    @app.task(base=ExplicitTask, shared=False, name="shop.send_invoice_email_typo",
-              idempotency_key="invoice:{invoice_id}:send_email", visibility_timeout=120,
-              expected_duration=10, retry_on=(GatewayTimeout,), fail_on=(),
-              retry_onn=(CardDeclined,))
+    @app.task(
+        base=ExplicitTask,
+        shared=False,
+        name="shop.send_invoice_email_typo",
+        idempotency_key="invoice:{invoice_id}:send_email",
+        visibility_timeout=120,
+        expected_duration=10,
+        retry_on=(GatewayTimeout,),
+        fail_on=(),
+        retry_onn=(CardDeclined,),
+    )
     def send_invoice_email(invoice_id: int) -> None:
         return None
 
     # Celery returns a lazy proxy until the app finalizes: the error surfaces then.
-    with pytest.raises(ContractError, match=r"shop.send_invoice_email_typo: unknown option "
-                                            r"'retry_onn'; did you mean 'retry_on'\?"):
+    with pytest.raises(
+        ContractError,
+        match=r"shop.send_invoice_email_typo: unknown option "
+        r"'retry_onn'; did you mean 'retry_on'\?",
+    ):
         app.finalize(auto=True)
 
 
 def test_decorator_form_with_bind_checks_parameters_after_self() -> None:
     app = make_app()
 
-    @app.task(base=ExplicitTask, shared=False, bind=True, name="shop.bound",
-              idempotency_key="invoice:{invoice_id}", visibility_timeout=120,
-              expected_duration=10, retry_on=(), fail_on=())
+    @app.task(
+        base=ExplicitTask,
+        shared=False,
+        bind=True,
+        name="shop.bound",
+        idempotency_key="invoice:{invoice_id}",
+        visibility_timeout=120,
+        expected_duration=10,
+        retry_on=(),
+        fail_on=(),
+    )
     def bound(self: Any, invoice_id: int) -> None:
         return None
 
@@ -257,11 +307,21 @@ def test_positional_only_parameters_can_be_key_fields() -> None:
 
 def test_an_unnamed_task_is_named_by_its_class_path() -> None:
     body = {k: v for k, v in VALID.items() if k != "name"}
-    with pytest.raises(ContractError, match=r"Task tests\.unit\.test_contract\.Unnamed: "
-                                            r"idempotency_key must be"):
-        type("Unnamed", (ExplicitTask,), {**body, "idempotency_key": 42,
-                                          "run": lambda self, payment_id: None,
-                                          "__module__": __name__})
+    with pytest.raises(
+        ContractError,
+        match=r"Task tests\.unit\.test_contract\.Unnamed: "
+        r"idempotency_key must be",
+    ):
+        type(
+            "Unnamed",
+            (ExplicitTask,),
+            {
+                **body,
+                "idempotency_key": 42,
+                "run": lambda self, payment_id: None,
+                "__module__": __name__,
+            },
+        )
 
 
 def test_max_deliveries_is_validated() -> None:
@@ -289,9 +349,11 @@ def test_downstream_declaration_is_validated() -> None:
     assert define(downstream=wh).contract.downstream is wh
     with pytest.raises(ContractError, match="downstream='warehouse' must be a celery_explicit"):
         define(downstream="warehouse")
-    for kwargs, needle in [({"concurrency": 0}, "concurrency=0"),
-                           ({"concurrency": 1, "cool_down": 0}, "cool_down=0"),
-                           ({"concurrency": 1, "failure_threshold": True}, "failure_threshold")]:
+    for kwargs, needle in [
+        ({"concurrency": 0}, "concurrency=0"),
+        ({"concurrency": 1, "cool_down": 0}, "cool_down=0"),
+        ({"concurrency": 1, "failure_threshold": True}, "failure_threshold"),
+    ]:
         with pytest.raises(ValueError, match=f"Downstream 'wh': {needle}"):
             Downstream("wh", **kwargs)  # type: ignore[arg-type]
 
@@ -303,8 +365,11 @@ def test_ordering_declaration_is_checked_against_run() -> None:
     # Default gap: two leases plus the longest backoff (60 + 60 + 60 s here).
     assert ordering.gap == 2 * 60 + 60
     assert define(ordering_key="payment:{payment_id}", ordering_gap=5).contract.ordering.gap == 5
-    with pytest.raises(ContractError, match=r"shop\.capture_payment.*ordering_key field "
-                                            r"'order_id' is not a parameter of run"):
+    with pytest.raises(
+        ContractError,
+        match=r"shop\.capture_payment.*ordering_key field "
+        r"'order_id' is not a parameter of run",
+    ):
         define(ordering_key="order:{order_id}")
     with pytest.raises(ContractError, match="ordering_key 'orders' has no field"):
         define(ordering_key="orders")

@@ -11,17 +11,20 @@ def test_template_fields_take_the_root_name() -> None:
 
 
 def test_render_key_uses_given_arguments() -> None:
-    assert render_key("t", "payment:{payment_id}:capture", {"payment_id": 7}) == \
-        "payment:7:capture"
+    assert render_key("t", "payment:{payment_id}:capture", {"payment_id": 7}) == "payment:7:capture"
 
 
-@pytest.mark.parametrize(("given", "needle"), [
-    ({}, "field 'payment_id' is missing from the arguments"),
-    ({"payment_id": None}, "field 'payment_id' is None"),
-    ({"payment_id": "x" * 300}, "longer than 255"),
-])
-def test_render_key_refuses_bad_input_naming_task_and_field(given: dict[str, object],
-                                                            needle: str) -> None:
+@pytest.mark.parametrize(
+    ("given", "needle"),
+    [
+        ({}, "field 'payment_id' is missing from the arguments"),
+        ({"payment_id": None}, "field 'payment_id' is None"),
+        ({"payment_id": "x" * 300}, "longer than 255"),
+    ],
+)
+def test_render_key_refuses_bad_input_naming_task_and_field(
+    given: dict[str, object], needle: str
+) -> None:
     with pytest.raises(BadInput, match=needle) as caught:
         render_key("shop.capture", "payment:{payment_id}:capture", given)
     assert caught.value.task_name == "shop.capture"
@@ -43,12 +46,15 @@ def test_fingerprint_is_stable_and_argument_sensitive() -> None:
     assert fingerprint({"a": 1, "b": 2}) != fingerprint({"a": 1, "b": 3})
 
 
-@pytest.mark.parametrize(("declaration", "given"), [
-    ("order:{order[id]}", {"order": [1, 2]}),
-    ("n:{n[0]}", {"n": 5}),
-    (lambda items: f"first:{items[0]}", {"items": []}),
-    (lambda a: f"inv:{1 / a}", {"a": 0}),
-])
+@pytest.mark.parametrize(
+    ("declaration", "given"),
+    [
+        ("order:{order[id]}", {"order": [1, 2]}),
+        ("n:{n[0]}", {"n": 5}),
+        (lambda items: f"first:{items[0]}", {"items": []}),
+        (lambda a: f"inv:{1 / a}", {"a": 0}),
+    ],
+)
 def test_any_rendering_failure_is_bad_input(declaration: object, given: dict[str, object]) -> None:
     with pytest.raises(BadInput, match=r"shop\.t: "):
         render_key("shop.t", declaration, given)  # type: ignore[arg-type]

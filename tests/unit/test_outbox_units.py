@@ -16,21 +16,31 @@ from django_outbox.outbox import check_json
 from django_outbox.relay import ListenWakeup, Relay, Wakeup
 
 
-@pytest.mark.parametrize("value", [
-    {}, {"a": 1, "b": [1.5, None, True, "x", {"c": []}]}, [1, (2, 3)], "é", 10**30,
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        {},
+        {"a": 1, "b": [1.5, None, True, "x", {"c": []}]},
+        [1, (2, 3)],
+        "é",
+        10**30,
+    ],
+)
 def test_plain_json_is_accepted(value: object) -> None:
     check_json("shop.t", "kwargs", value)
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ({"at": datetime(2024, 1, 1, tzinfo=UTC)}, "kwargs['at'] is a datetime.datetime"),
-    ({"amount": Decimal("1.10")}, "kwargs['amount'] is a decimal.Decimal"),
-    ({"lines": [{"qty": 1}, {"qty": {1}}]}, "kwargs['lines'][1]['qty'] is a builtins.set"),
-    ({1: "a"}, "kwargs[1] has a int key, not a str"),
-    ({"x": float("inf")}, "kwargs['x'] is inf, not a JSON number"),
-    ({"x": "a\x00"}, "kwargs['x'] contains a NUL character"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"at": datetime(2024, 1, 1, tzinfo=UTC)}, "kwargs['at'] is a datetime.datetime"),
+        ({"amount": Decimal("1.10")}, "kwargs['amount'] is a decimal.Decimal"),
+        ({"lines": [{"qty": 1}, {"qty": {1}}]}, "kwargs['lines'][1]['qty'] is a builtins.set"),
+        ({1: "a"}, "kwargs[1] has a int key, not a str"),
+        ({"x": float("inf")}, "kwargs['x'] is inf, not a JSON number"),
+        ({"x": "a\x00"}, "kwargs['x'] contains a NUL character"),
+    ],
+)
 def test_the_first_value_that_is_not_json_is_named(value: object, message: str) -> None:
     with pytest.raises(BadInput) as caught:
         check_json("shop.t", "kwargs", value)
@@ -38,11 +48,18 @@ def test_the_first_value_that_is_not_json_is_named(value: object, message: str) 
     assert caught.value.task_name == "shop.t"
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("7d", timedelta(days=7)), ("12h", timedelta(hours=12)), ("30m", timedelta(minutes=30)),
-    ("90s", timedelta(seconds=90)), ("2w", timedelta(weeks=2)), ("3", timedelta(days=3)),
-    ("0.5d", timedelta(hours=12)),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("7d", timedelta(days=7)),
+        ("12h", timedelta(hours=12)),
+        ("30m", timedelta(minutes=30)),
+        ("90s", timedelta(seconds=90)),
+        ("2w", timedelta(weeks=2)),
+        ("3", timedelta(days=3)),
+        ("0.5d", timedelta(hours=12)),
+    ],
+)
 def test_retention_durations(text: str, expected: timedelta) -> None:
     assert parse_duration(text) == expected
 
@@ -74,36 +91,20 @@ def test_stop_ends_a_poll_wait_at_once() -> None:
     assert relay.stopping
 
 
-def test_resolving_celery_settings_keeps_every_value() -> None:
-    from celery import Celery
-    from celery.app import defaults
-
-    from django_outbox.relay import resolve_celery_settings
-
-    app = Celery("resolve-check")
-    app.config_from_object("django.conf:settings", namespace="CELERY")
-    before = {key: app.conf[key] for key in defaults.DEFAULTS}
-    assert not set(defaults.DEFAULTS) <= set(app.conf.changes)
-    resolve_celery_settings(app)
-    # Every setting is now resolved once, in the app's own changes (no more look-ups
-    # through Django's settings), and holds the value it had.
-    assert set(defaults.DEFAULTS) <= set(app.conf.changes)
-    assert {key: app.conf[key] for key in defaults.DEFAULTS} == before
-    # Values the project set (tests/settings.py) survive, not only Celery's defaults.
-    assert app.conf.task_serializer == "json"
-    assert app.conf.broker_transport_options["unacked_restore_interval"] == 1
-
-
-@pytest.mark.parametrize(("command", "option", "value", "message"), [
-    ("outbox_relay", "--poll-interval", "0", "above 0, got 0"),
-    ("outbox_relay", "--poll-interval", "-1", "above 0, got -1"),
-    ("outbox_relay", "--poll-interval", "nan", "above 0, got nan"),
-    ("outbox_relay", "--poll-interval", "soon", "a number of seconds, got 'soon'"),
-    ("outbox_relay", "--batch-size", "0", "at least 1, got 0"),
-    ("outbox_prune", "--batch-size", "-5", "at least 1, got -5"),
-])
-def test_bad_command_values_are_refused_by_name(command: str, option: str, value: str,
-                                                message: str) -> None:
+@pytest.mark.parametrize(
+    ("command", "option", "value", "message"),
+    [
+        ("outbox_relay", "--poll-interval", "0", "above 0, got 0"),
+        ("outbox_relay", "--poll-interval", "-1", "above 0, got -1"),
+        ("outbox_relay", "--poll-interval", "nan", "above 0, got nan"),
+        ("outbox_relay", "--poll-interval", "soon", "a number of seconds, got 'soon'"),
+        ("outbox_relay", "--batch-size", "0", "at least 1, got 0"),
+        ("outbox_prune", "--batch-size", "-5", "at least 1, got -5"),
+    ],
+)
+def test_bad_command_values_are_refused_by_name(
+    command: str, option: str, value: str, message: str
+) -> None:
     # Before anything runs: a zero poll interval would spin, a negative one crash select().
     extra = ["--older-than", "7d"] if command == "outbox_prune" else []
     with pytest.raises(CommandError, match=rf"argument {option}: must be .*{message}"):

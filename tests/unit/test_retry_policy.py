@@ -23,8 +23,14 @@ class ReadTimeout(Timeout):
 
 
 def policy(**kw: object) -> RetryPolicy:
-    base = dict(retry_on=(Timeout,), fail_on=(ValueError,), unclassified=Unclassified.PERMANENT,
-                max_attempts=5, backoff_base=1.0, backoff_cap=30.0)
+    base = dict(
+        retry_on=(Timeout,),
+        fail_on=(ValueError,),
+        unclassified=Unclassified.PERMANENT,
+        max_attempts=5,
+        backoff_base=1.0,
+        backoff_cap=30.0,
+    )
     return RetryPolicy(**{**base, **kw})  # type: ignore[arg-type]
 
 

@@ -8,7 +8,6 @@ import redis
 from django.core.management.base import BaseCommand, CommandParser
 
 from celery_explicit import locks
-from celery_explicit.redis_state import PREFIX
 from django_outbox.conf import settings
 
 
@@ -17,7 +16,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
-            "--prefix", default=PREFIX, help="key prefix the locks were created with"
+            "--prefix",
+            default=None,
+            help="key prefix the locks were created with (default: EXPLICIT_KEY_PREFIX)",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -26,9 +27,9 @@ class Command(BaseCommand):
         if not live:
             self.stdout.write("no live locks")
             return
-        self.stdout.write(f"{'lock':<40} {'owner':<28} {'fence':>7} {'age':>9} {'left':>9}")
+        self.stdout.write(f"{'lock':<40} {'owner':<28} {'fence':>17} {'age':>9} {'left':>9}")
         for lock in live:
             self.stdout.write(
-                f"{lock.name:<40} {lock.owner:<28} {lock.fence:>7} "
+                f"{lock.name:<40} {lock.owner:<28} {lock.fence:>17} "
                 f"{lock.age:>8.1f}s {lock.expires_in:>8.1f}s"
             )

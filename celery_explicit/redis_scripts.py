@@ -1,0 +1,194 @@
+"""Every Lua script we run on Redis: registered by name, called one way.
+
+Each compare-and-act step on Redis (take a lease, claim a dedup id, pass an entity's
+turn, enter a downstream) is one Lua script, so it is atomic on the server. Each
+module keeps its scripts as ``Script`` constants headed by their contract (``KEYS``,
+``ARGV``, what they return), and calls them through ``call`` or, several in one round
+trip, ``call_many``. This module decides how they run:
+
+- as **functions** (``FCALL``) of one library holding every registered script, where
+  the server has them (Redis 7+): loaded by the first call through each client, under
+  a name carrying a hash of the code (two versions of this package can share a Redis),
+  and loaded again by the call that finds it missing (``FUNCTION FLUSH``, a replica
+  promoted before it got it). An ``FCALL`` cost about what the plain command costs on
+  the development machine, an ``EVALSHA`` of the same Lua about 4 us more
+  (docs/performance.md, P4);
+- as **scripts** (``EVALSHA``, loaded on ``NOSCRIPT``) where the server has no
+  functions (Redis 6) or the client's user may not load them (an ACL without
+  ``FUNCTION``).
+
+Both are sent with ``execute_command``: one round trip on the common path, never the
+``SCRIPT EXISTS`` that redis-py's ``Script`` object adds in a pipeline.
+
+Redis Cluster: every key a script touches is passed in ``KEYS``, and the keys of one
+call share a hash tag (``tagged``), so each call lands on one slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
+
+logger = logging.getLogger("celery_explicit.redis_scripts")
+
+#: Replies that say the server has no functions (Redis 6): keep to scripts. A user
+#: without the permission gets NoPermissionError, which is kept to scripts as well.
+_NO_FUNCTIONS = ("unknown command", "unknown subcommand")
+_LIBRARY_PREFIX = "celery_explicit"
+
+
+class Script:
+    """One Lua script (using ``KEYS`` and ``ARGV``), registered under ``name``."""
+
+    def __init__(self, name: str, source: str) -> None:
+        if not name.isidentifier():
+            raise ValueError(f"script name {name!r} must be an identifier (a function name)")
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        with _lock:
+            known = _registry.get(name)
+            if known is not None and known.source != source:
+                raise ValueError(f"two different scripts are registered as {name!r}")
+            _registry[name] = self
+            global _library
+            _library = None  # rebuilt with this script on the next call
+
+    def __repr__(self) -> str:
+        return f"Script({self.name!r})"
+
+
+@dataclass(frozen=True)
+class Library:
+    """Every registered script as one function library."""
+
+    name: str
+    code: str
+    function_names: dict[str, str]
+
+
+_lock = threading.Lock()
+_registry: dict[str, Script] = {}
+_library: Library | None = None
+# Per client, weakly (a caller's client must not be kept alive by us): the name of the
+# library loaded there, or False where scripts stand in for functions.
+_clients: weakref.WeakKeyDictionary[Any, str | bool] = weakref.WeakKeyDictionary()
+
+
+def library() -> Library:
+    """The library of every script registered so far."""
+    global _library
+    with _lock:
+        if _library is None:
+            scripts = sorted(_registry.values(), key=lambda s: s.name)
+            digest = hashlib.sha1(
+                "\0".join(f"{s.name}\0{s.source}" for s in scripts).encode()
+            ).hexdigest()[:12]
+            name = f"{_LIBRARY_PREFIX}_{digest}"
+            # Function names are global on the server: the library's name goes first.
+            names = {s.name: f"{name}_{s.name}" for s in scripts}
+            body = "\n".join(
+                f"redis.register_function('{names[s.name]}', function(KEYS, ARGV)\n{s.source}\nend)"
+                for s in scripts
+            )
+            _library = Library(name=name, code=f"#!lua name={name}\n{body}\n", function_names=names)
+        return _library
+
+
+def tagged(value: str) -> str:
+    """``{value}``: a Redis Cluster hash tag; keys carrying the same one share a slot."""
+    return "{" + value + "}"
+
+
+def call(conn: Any, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+    """Run ``script`` atomically on the server; its reply."""
+    lib = library()
+    if _uses_functions(conn, lib):
+        command = ("FCALL", lib.function_names[script.name], len(keys), *keys, *args)
+        try:
+            return conn.execute_command(*command)
+        except ResponseError as exc:
+            if not _missing_function(exc):
+                raise
+        _load(conn, lib)
+        return conn.execute_command(*command)
+    command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+    try:
+        return conn.execute_command(*command)
+    except NoScriptError:
+        conn.execute_command("SCRIPT", "LOAD", script.source)
+    return conn.execute_command(*command)
+
+
+def call_many(conn: Any, calls: Sequence[tuple[Script, Sequence[Any], Sequence[Any]]]) -> list[Any]:
+    """Each ``(script, keys, args)`` of ``calls``, in one pipeline: one round trip.
+
+    What the server is missing (the library, a script) is loaded and the pipeline sent
+    again; the first error among the replies is raised.
+    """
+    lib = library()
+    functions = _uses_functions(conn, lib)
+    replies: list[Any] = []
+    for attempt in range(2):
+        pipe = conn.pipeline(transaction=False)
+        for script, keys, args in calls:
+            if functions:
+                pipe.execute_command(
+                    "FCALL", lib.function_names[script.name], len(keys), *keys, *args
+                )
+            else:
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        replies = pipe.execute(raise_on_error=False)
+        missing = any(
+            isinstance(r, NoScriptError) or (isinstance(r, ResponseError) and _missing_function(r))
+            for r in replies
+        )
+        if attempt or not missing:
+            break
+        if functions:
+            _load(conn, lib)
+        else:
+            for source in {script.source for script, _keys, _args in calls}:
+                conn.execute_command("SCRIPT", "LOAD", source)
+    errors = [r for r in replies if isinstance(r, Exception)]
+    if errors:
+        raise errors[0]
+    return list(replies)
+
+
+def _uses_functions(conn: Any, lib: Library) -> bool:
+    loaded = _clients.get(conn)
+    if loaded is False:
+        return False
+    if loaded != lib.name:
+        return _load(conn, lib)
+    return True
+
+
+def _missing_function(exc: ResponseError) -> bool:
+    return "function not found" in str(exc).lower()
+
+
+def _load(conn: Any, lib: Library) -> bool:
+    """Load the library through ``conn``; False when scripts must stand in for it."""
+    loaded: str | bool = lib.name
+    try:
+        conn.execute_command("FUNCTION", "LOAD", "REPLACE", lib.code)
+    except ResponseError as exc:
+        refused = isinstance(exc, NoPermissionError) or any(
+            reason in str(exc).lower() for reason in _NO_FUNCTIONS
+        )
+        if not refused:
+            raise
+        logger.info("Redis functions unavailable (%s): our Lua runs as scripts", exc)
+        loaded = False
+    with _lock:
+        _clients[conn] = loaded
+    return loaded is not False

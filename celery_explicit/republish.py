@@ -1,0 +1,103 @@
+"""Publishing the running job again: a retry after an error, or a deferral.
+
+Both keep the job's task id, key, correlation id and place in its entity's order, and
+both hand the execution lease back first, so the next message finds it free. A job
+whose lease was taken over meanwhile is not published again: a newer execution owns
+it, and a second live copy would run it twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NoReturn
+
+from celery.exceptions import Ignore, Reject, Retry
+
+from celery_explicit import execution_lease, idempotency, ordering
+from celery_explicit.execution import Execution, delivery, running
+
+logger = logging.getLogger("celery_explicit")
+
+#: apply_async option marking a re-publish (popped before Celery sees it): its
+#: arguments were bound and its key rendered when it started, so nothing is checked
+#: again, and nothing may fail, or Celery would drop the message.
+OPTION = "_explicit_retry"
+
+
+def carry_headers(request: Any, headers: dict[str, Any]) -> None:
+    """The running job's own headers, for its re-publish."""
+    execution = running(request)
+    if execution is not None:
+        headers[idempotency.KEY_HEADER] = execution.key
+        headers.setdefault(idempotency.CORRELATION_HEADER, execution.correlation_id)
+    replay = getattr(request, idempotency.REPLAY_HEADER, None)
+    if replay is not None:
+        # An operator's replay stays one: its dedup id is not a duplicate.
+        headers.setdefault(idempotency.REPLAY_HEADER, replay)
+    place = ordering.place_of(request)
+    if place is not None:
+        # Its place in its entity's order does not change when it runs again.
+        headers.update(ordering.place_headers(place))
+
+
+def retry(task: Any, exc: Exception, countdown: float) -> Retry:
+    """``task.retry`` that cannot lose the message.
+
+    Celery turns a failed re-publish into ``Reject(requeue=False)``: the message
+    would be dropped. Requeue it instead (it runs again at once rather than after its
+    backoff, but it is not lost).
+    """
+    if not execution_lease.hand_back(running(task.request)):
+        raise _end_without_republishing(task, "retry")
+    try:
+        published: Retry = task.retry(exc=exc, countdown=countdown, **{OPTION: True})
+    except Reject as reject:
+        if getattr(reject, "requeue", False):
+            raise
+        logger.error(
+            "retry could not be published; requeueing the message",
+            extra={"task": task.name, "job_id": task.request.id},
+        )
+        raise Reject(getattr(reject, "reason", None), requeue=True) from exc
+    return published
+
+
+def defer(
+    task: Any,
+    execution: Execution,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    delay: float,
+) -> NoReturn:
+    """Publish the same job again ``delay`` seconds from now and end this delivery.
+
+    Same task id and retry count, no attempt used; the pool slot is free at once.
+    """
+    request = task.request
+    if not execution_lease.hand_back(execution):
+        raise _end_without_republishing(task, "deferral")
+    try:
+        task.apply_async(
+            args,
+            kwargs,
+            task_id=execution.task_id,
+            countdown=delay,
+            retries=int(request.retries or 0),
+            queue=delivery(request, "routing_key"),
+            **{OPTION: True},
+        )
+    except Exception as exc:
+        raise Reject(exc, requeue=True) from exc
+    raise Ignore()
+
+
+def _end_without_republishing(task: Any, what: str) -> Ignore:
+    """The lease was lost: leave the job to the execution that took it over."""
+    job_id = task.request.id
+    logger.warning(
+        "%s not published: a newer execution of job %s took its lease over",
+        what,
+        job_id,
+        extra={"task": task.name, "job_id": job_id},
+    )
+    return Ignore()

@@ -1,0 +1,196 @@
+"""The relay's claim: which pending outbox events one batch takes, as one SQL statement.
+
+``OutboxEvent.objects.claim_batch(limit)`` runs it in the caller's transaction and
+returns the rows as ``Claimed`` (the columns publishing needs, no model instances).
+
+**Several relays, no double publish.** The claim locks its rows with ``FOR UPDATE
+SKIP LOCKED``: a second relay skips rows another holds instead of waiting for them or
+publishing them too. It sits in a ``MATERIALIZED`` CTE so the ``LIMIT`` is applied
+before the lock: inlined, the planner may lock more rows than it returns.
+
+**Order per key.** An event with an ``ordering_key`` is claimed only while no older
+event with that key is pending, so at most one event per key is in flight, across all
+relays: the next one is claimed after the previous one's publish committed. (The
+previous one locked by another relay is still pending, so its successor is not
+claimable; ``django_outbox.outbox`` makes sure rows of one key are numbered in commit
+order.) A key publishes one event per batch; keys proceed in parallel; events without
+a key are not held back at all.
+
+The statements are written out whole, one per database, so what runs is what is read.
+The table name and the ``'pending'`` status are literals: a unit test checks them
+against ``OutboxEvent._meta.db_table`` and ``OutboxStatus.PENDING``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import connections, models, router
+from django.db.transaction import TransactionManagementError
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+if TYPE_CHECKING:
+    from django_outbox.models import OutboxEvent  # noqa: F401 (the Manager["OutboxEvent"] base)
+
+__all__ = [
+    "CLAIM_POSTGRESQL",
+    "CLAIM_SQLITE",
+    "Claimed",
+    "OutboxEventManager",
+    "claim_sql",
+    "run_claim",
+]
+
+# PostgreSQL. The head-of-key test is the NOT EXISTS; the lock is the last line of the
+# CTE. The partial indexes on pending rows (id; ordering_key, id) serve both scans.
+CLAIM_POSTGRESQL = """
+WITH claimed AS MATERIALIZED (
+    SELECT event.id
+    FROM django_outbox_event AS event
+    WHERE event.status = 'pending'
+      AND event.available_at <= now()
+      AND (event.ordering_key = '' OR NOT EXISTS (
+            SELECT 1 FROM django_outbox_event AS earlier
+            WHERE earlier.ordering_key = event.ordering_key
+              AND earlier.status = 'pending'
+              AND earlier.id < event.id))
+    ORDER BY event.id
+    LIMIT %s
+    FOR UPDATE OF event SKIP LOCKED
+)
+SELECT event.id, event.event_id, event.task_name, event.args, event.kwargs,
+       event.headers, event.options, event.ordering_key, event.attempts,
+       event.created_at
+FROM django_outbox_event AS event
+WHERE event.id IN (SELECT id FROM claimed)
+ORDER BY event.id
+"""
+
+# SQLite (and any other database): no MATERIALIZED, no row locks (one relay only), and
+# the database's clock as text in the format Django stores datetimes in. ``%%`` is ``%``
+# once Django substitutes the parameters.
+CLAIM_SQLITE = """
+WITH claimed AS (
+    SELECT event.id
+    FROM django_outbox_event AS event
+    WHERE event.status = 'pending'
+      AND event.available_at <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+      AND (event.ordering_key = '' OR NOT EXISTS (
+            SELECT 1 FROM django_outbox_event AS earlier
+            WHERE earlier.ordering_key = event.ordering_key
+              AND earlier.status = 'pending'
+              AND earlier.id < event.id))
+    ORDER BY event.id
+    LIMIT %s
+)
+SELECT event.id, event.event_id, event.task_name, event.args, event.kwargs,
+       event.headers, event.options, event.ordering_key, event.attempts,
+       event.created_at
+FROM django_outbox_event AS event
+WHERE event.id IN (SELECT id FROM claimed)
+ORDER BY event.id
+"""
+
+
+def claim_sql(vendor: str) -> str:
+    """The claim statement for a database vendor (``connection.vendor``)."""
+    return CLAIM_POSTGRESQL if vendor == "postgresql" else CLAIM_SQLITE
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """The columns of a claimed outbox row that publishing needs (no model instance:
+    building one per row costs more than the claim's own query)."""
+
+    id: int
+    event_id: str
+    task_name: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    headers: dict[str, Any]
+    options: dict[str, Any]
+    ordering_key: str
+    attempts: int
+    created_at: datetime
+    #: What is wrong with a row whose columns do not have the shapes the relay
+    #: writes (an older row, a hand-made one): it is dead-lettered, not published.
+    malformed: str = ""
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> Claimed:
+        id_, event_id, task_name, args, kwargs, headers, options, key, attempts, created = row
+        values = {
+            "args": (_json(args), list),
+            "kwargs": (_json(kwargs), dict),
+            "headers": (_json(headers), dict),
+            "options": (_json(options), dict),
+        }
+        wrong = [
+            f"{name} is {type(value).__name__}, not {kind.__name__}"
+            for name, (value, kind) in values.items()
+            if not isinstance(value, kind)
+        ]
+        # A malformed column is replaced by an empty one so the dead letter can be
+        # written; the original stays on the outbox row.
+        clean = {
+            name: value if isinstance(value, kind) else kind()
+            for name, (value, kind) in values.items()
+        }
+        return cls(
+            id=id_,
+            event_id=str(event_id),
+            task_name=task_name,
+            ordering_key=key,
+            attempts=attempts,
+            created_at=_aware(created),
+            malformed="; ".join(wrong),
+            **clean,
+        )
+
+
+def run_claim(using: str, sql: str, limit: int) -> list[Claimed]:
+    """Run a claim statement on the database ``using``, in its current transaction."""
+    connection = connections[using]
+    if not connection.in_atomic_block:
+        # In autocommit the row locks would be released before the caller publishes:
+        # as Django refuses select_for_update() there, so does the claim.
+        raise TransactionManagementError(
+            "the outbox claim locks its rows until commit: run it in transaction.atomic()"
+        )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [limit])
+        return [Claimed.from_row(row) for row in cursor.fetchall()]
+
+
+class OutboxEventManager(models.Manager["OutboxEvent"]):
+    """``OutboxEvent.objects``: the queryset's methods, and the relay's claim."""
+
+    def claim_batch(self, limit: int) -> list[Claimed]:
+        """Lock and return up to ``limit`` claimable events, oldest first.
+
+        Claimable: pending, ``available_at`` passed, and the oldest pending event of its
+        ordering key. Run it in ``transaction.atomic()`` on the same database
+        (``OutboxEvent.objects.db_manager(alias)``): the rows stay locked, hence
+        unclaimable by other relays, until that transaction ends.
+        """
+        # The claim writes (it locks rows): never routed to a read replica.
+        using = self._db or router.db_for_write(self.model)
+        return run_claim(using, claim_sql(connections[using].vendor), limit)
+
+
+def _aware(value: datetime | str) -> datetime:
+    # SQLite hands a raw cursor a naive datetime (or text): stored in UTC (USE_TZ).
+    parsed = parse_datetime(value) if isinstance(value, str) else value
+    if parsed is None:
+        raise ValueError(f"created_at {value!r} is not a datetime")
+    return parsed if timezone.is_aware(parsed) else timezone.make_aware(parsed, UTC)
+
+
+def _json(value: Any) -> Any:
+    # Django's psycopg setup hands jsonb over as text (JSONField decodes it itself).
+    return json.loads(value) if isinstance(value, str | bytes) else value

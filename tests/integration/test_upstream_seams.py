@@ -1,0 +1,106 @@
+"""The places where we lean on Celery's and kombu's internals, each checked here.
+
+Each seam has a comment at its use linking the upstream code it depends on; these
+tests fail when an upgrade moves or renames what that comment describes, before a
+worker in production finds out. Behaviour through each seam is tested where the
+mechanism is (test_lease_keeper, test_job_path); here is what upstream must provide.
+"""
+
+from __future__ import annotations
+
+import types
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery, Task
+from celery.worker import state
+from celery.worker.consumer.consumer import Consumer
+from django.conf import settings
+from kombu import Connection, Queue
+
+from celery_explicit import worker_steps
+from celery_explicit.contract import celery_decorator_keys
+from celery_explicit.lease import LeaseKeeper, unacked_index_key
+
+
+def _code_names(code: types.CodeType) -> Iterator[str]:
+    """Every name a function's code refers to, nested functions included."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_names(const)
+
+
+def test_the_consumer_still_calls_on_decode_error_for_a_body_it_cannot_decode() -> None:
+    """worker_steps.RecordUndecodable wraps ``Consumer.on_decode_error``: it must exist
+    and be what the task handler calls when a body does not decode."""
+    assert callable(Consumer.on_decode_error)
+    assert "on_decode_error" in set(_code_names(Consumer.create_task_handler.__code__))
+
+
+def test_scheduled_requests_are_listed_apart_by_the_worker_state() -> None:
+    """The lease keeper leases ETA/countdown messages (retries, deferrals) through
+    ``celery.worker.state.scheduled_requests`` (Celery 5.7)."""
+    assert hasattr(state, "scheduled_requests")
+    assert hasattr(state, "reserved_requests")
+
+
+def test_celery_decorator_keys_are_read_off_celery_itself() -> None:
+    """What ``@app.task`` puts in a task's class dict, found by the contract's probe,
+    equals what Celery puts there for a plain task today (not a copied list)."""
+    seen: dict[str, object] = {}
+
+    class Spy(Task):  # type: ignore[type-arg]
+        def __init_subclass__(cls, **kwargs: object) -> None:
+            super().__init_subclass__(**kwargs)
+            seen.update(cls.__dict__)
+
+    app = Celery(f"seam-{uuid.uuid4().hex[:6]}", set_as_current=False)
+
+    def handler(order_id: int) -> None:
+        return None
+
+    app.task(base=Spy, name="seam.handler", lazy=False)(handler)
+    assert celery_decorator_keys() == frozenset(seen)
+    assert {"app", "name", "run"} <= celery_decorator_keys()
+
+
+def test_our_consumer_steps_are_added_once_per_app() -> None:
+    app = Celery(f"seam-{uuid.uuid4().hex[:6]}", set_as_current=False)
+    before = set(app.steps["consumer"])
+    worker_steps.install(app)
+    worker_steps.install(app)
+    added = set(app.steps["consumer"]) - before
+    assert added == {worker_steps.RecordUndecodable, LeaseKeeper}
+
+
+@pytest.mark.parametrize("global_prefix", ["", "seam-prefix:"])
+def test_kombu_keeps_unacked_messages_in_the_index_the_keeper_moves(
+    redis_client, global_prefix
+) -> None:
+    """kombu's Redis channel scores each unacked message in a sorted set named by
+    ``unacked_index_key`` under its ``global_keyprefix``, by delivery time, and reads
+    connections from ``pool``: what ``celery_explicit.lease`` addresses."""
+    suffix = uuid.uuid4().hex[:8]
+    options = {
+        "unacked_index_key": f"explicit-test:index:{suffix}",
+        "unacked_key": f"explicit-test:unacked:{suffix}",
+        "global_keyprefix": f"{global_prefix}{suffix}:" if global_prefix else "",
+    }
+    with Connection(settings.REDIS_URL, transport_options=options) as connection:
+        channel = connection.default_channel
+        assert channel.pool is not None
+        queue = Queue(f"q-seam-{suffix}", channel=channel)
+        queue.declare()
+        connection.Producer().publish({"n": 1}, routing_key=queue.name)
+        message = queue.get(no_ack=False)
+        assert message is not None
+        try:
+            index = unacked_index_key(channel)
+            assert index == options["global_keyprefix"] + options["unacked_index_key"]
+            score = redis_client.zscore(index, message.delivery_tag)
+            assert score is not None  # scored by delivery time, where we look for it
+        finally:
+            message.ack()
+            redis_client.delete(options["global_keyprefix"] + queue.name)

@@ -1,0 +1,122 @@
+"""django_outbox's public surface: the package's names, its exception root, and the
+literal claim SQL checked against the model it names."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+import django_outbox
+from celery_explicit.errors import ExplicitError
+from django_outbox import cache, errors
+from django_outbox.claim import CLAIM_POSTGRESQL, CLAIM_SQLITE, Claimed, claim_sql
+from django_outbox.models import OutboxEvent, OutboxStatus
+from tests.support.processes import ROOT
+
+
+def test_every_public_name_resolves() -> None:
+    assert len(set(django_outbox.__all__)) == len(django_outbox.__all__)
+    for name in django_outbox.__all__:
+        value = getattr(django_outbox, name)
+        assert not isinstance(value, type(django_outbox)), f"{name} is a module"
+        assert name in dir(django_outbox)
+    namespace: dict[str, object] = {}
+    exec("from django_outbox import *", namespace)
+    assert set(django_outbox.__all__) <= set(namespace)
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        django_outbox.nothing_here  # noqa: B018
+
+
+def test_public_names_are_the_objects_of_their_modules() -> None:
+    from django_outbox.dispatch import dispatch
+    from django_outbox.fencing import fenced_update
+    from django_outbox.outbox import publish_event
+    from django_outbox.relay import Relay
+
+    assert django_outbox.dispatch is dispatch
+    assert django_outbox.fenced_update is fenced_update
+    assert django_outbox.publish_event is publish_event
+    assert django_outbox.Relay is Relay
+    assert django_outbox.VersionedCache is cache.VersionedCache
+    assert django_outbox.CacheKeyError is errors.CacheKeyError
+
+
+def test_dispatch_stays_the_function_once_its_module_is_loaded() -> None:
+    # The import system sets a loaded submodule on its package, under the name the
+    # function has too; the package keeps the name the function's.
+    module = importlib.import_module("django_outbox.dispatch")
+    assert django_outbox.dispatch is module.dispatch
+    # What the import system does when it loads the submodule:
+    django_outbox.dispatch = module  # type: ignore[assignment]
+    assert django_outbox.dispatch is module.dispatch
+    with pytest.raises(AttributeError, match="cannot be replaced"):
+        django_outbox.dispatch = print  # type: ignore[assignment]
+
+
+def test_the_package_imports_no_model_before_django_is_set_up() -> None:
+    # Django imports the package (INSTALLED_APPS) before the app registry is ready.
+    code = (
+        "import sys, django_outbox\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('django_outbox.'))\n"
+        "assert loaded == ['django_outbox.errors'], loaded\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_app_errors_share_one_root_under_explicit_error() -> None:
+    assert issubclass(errors.OutboxError, ExplicitError)
+    assert issubclass(errors.CacheKeyError, errors.OutboxError)
+    assert issubclass(errors.CacheKeyError, ValueError)
+    assert issubclass(errors.CacheConfigError, errors.OutboxError)
+    assert issubclass(errors.CacheConfigError, ImproperlyConfigured)
+    # Still importable where the code that raises them is.
+    assert cache.CacheKeyError is errors.CacheKeyError
+    assert cache.CacheConfigError is errors.CacheConfigError
+    error = errors.CacheKeyError("user_profile", "user_id", "field 'user_id' is missing")
+    assert (error.cache_name, error.field) == ("user_profile", "user_id")
+    assert str(error) == "Cache user_profile: field 'user_id' is missing"
+
+
+# --- the claim's literal SQL -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sql", [CLAIM_POSTGRESQL, CLAIM_SQLITE], ids=["postgresql", "sqlite"])
+def test_the_claim_names_the_model_table_and_status(sql: str) -> None:
+    # Written out, not built from the model: a renamed table or status must fail here.
+    tables = re.findall(r"\bFROM\s+(\w+)\s+AS\b", sql)
+    assert len(tables) == 3
+    assert set(tables) == {OutboxEvent._meta.db_table}
+    statuses = re.findall(r"\.status = '(\w+)'", sql)
+    assert len(statuses) == 2
+    assert set(statuses) == {OutboxStatus.PENDING.value}
+
+
+@pytest.mark.parametrize("sql", [CLAIM_POSTGRESQL, CLAIM_SQLITE], ids=["postgresql", "sqlite"])
+def test_the_claim_selects_the_columns_claimed_reads_in_order(sql: str) -> None:
+    selected = re.search(r"\)\s*SELECT (.*?)\s+FROM", sql, re.DOTALL)
+    assert selected is not None
+    columns = [column.strip().removeprefix("event.") for column in selected[1].split(",")]
+    fields = [f.name for f in dataclasses.fields(Claimed) if f.name != "malformed"]
+    assert columns == fields
+    assert set(columns) <= {f.column for f in OutboxEvent._meta.concrete_fields}
+
+
+def test_each_database_gets_its_claim() -> None:
+    assert claim_sql("postgresql") is CLAIM_POSTGRESQL
+    assert claim_sql("sqlite") is CLAIM_SQLITE
+    # The PostgreSQL claim locks what it returns, after the LIMIT; SQLite cannot lock.
+    assert "MATERIALIZED" in CLAIM_POSTGRESQL
+    assert "FOR UPDATE OF event SKIP LOCKED" in CLAIM_POSTGRESQL
+    assert "FOR UPDATE" not in CLAIM_SQLITE
+    assert "{" not in CLAIM_POSTGRESQL + CLAIM_SQLITE  # nothing left to format in
