@@ -18,55 +18,15 @@ from typing import Any
 
 from django.db import DatabaseError, connections
 
+from celery_explicit.records import attempt_fields
 from celery_explicit.store import Statement
 from django_outbox.conf import settings
-from django_outbox.models import Attempt, Outcome
+from django_outbox.models import Attempt
 
 logger = logging.getLogger("django_outbox.audit")
 
-
-def attempt_fields(
-    *,
-    task_id: str,
-    task_name: str,
-    idempotency_key: str,
-    attempt: int,
-    redelivered: bool,
-    worker_host: str,
-    worker_pid: int,
-    started_at: dt.datetime,
-    finished_at: dt.datetime,
-    outcome: Outcome,
-    error_class: str = "",
-    error_message: str = "",
-    retry_delay: float | None = None,
-    correlation_id: str = "",
-    external_request_id: str = "",
-    replay_of: int | None = None,
-) -> dict[str, Any]:
-    """The columns of one attempt row (column names equal the field names)."""
-    return dict(
-        task_id=task_id,
-        task_name=task_name,
-        idempotency_key=idempotency_key,
-        attempt=attempt,
-        redelivered=redelivered,
-        worker_host=worker_host[:255],
-        worker_pid=worker_pid,
-        started_at=started_at,
-        finished_at=finished_at,
-        duration_ms=(finished_at - started_at).total_seconds() * 1000.0,
-        outcome=outcome,
-        error_class=error_class[:255],
-        error_message=error_message.replace("\x00", "\\x00"),
-        retry_delay=retry_delay,
-        next_attempt_at=(
-            finished_at + dt.timedelta(seconds=retry_delay) if retry_delay is not None else None
-        ),
-        correlation_id=correlation_id[:255],
-        external_request_id=external_request_id[:255],
-        replay_of=replay_of,
-    )
+# The row's columns are built by the job path's recorder; kept importable from here.
+__all__ = ["attempt_fields", "insert_statement", "record_attempt"]
 
 
 def insert_statement(fields: Mapping[str, Any], *, replace: bool = False) -> Statement:
