@@ -1,0 +1,45 @@
+"""``manage.py explain <what>``: a job's timeline and verdict, from the stored data alone.
+
+``<what>`` is an idempotency key, a task id, a dead letter id, an outbox event id, or a
+business id found inside keys. ``--json`` prints the same as data for tools. Nothing
+found, or an argument that cannot be a key: one line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_outbox import explain
+
+
+class Command(BaseCommand):
+    help = (
+        "Explain what happened to a job: every publish, delivery, attempt, takeover, "
+        "effect and dead letter in time order, and a verdict. WHAT is an idempotency "
+        "key, a task id, a dead letter id, an outbox event id or a business id."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("what", help="key, task id, dead letter id, event id or business id")
+        parser.add_argument("--json", action="store_true", help="print the explanation as JSON")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            found = explain.explain(options["what"])
+        except explain.ExplainError as exc:
+            raise CommandError(str(exc)) from None
+        if options["json"]:
+            data = {"query": options["what"], "matches": [e.as_data() for e in found]}
+            self.stdout.write(json.dumps(data, indent=2, default=str))
+            return
+        if len(found) > 1:
+            self.stdout.write(f"{len(found)} jobs match {options['what']!r}:\n")
+        for explanation in found:
+            title = explanation.key or f"task {', '.join(explanation.task_ids)}"
+            self.stdout.write(self.style.MIGRATE_HEADING(title))
+            for event in explanation.events:
+                self.stdout.write(f"  {explain.stamp(event.at)}  {event.text}")
+            self.stdout.write(f"  verdict: {explanation.verdict}\n")

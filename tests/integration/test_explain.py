@@ -1,0 +1,138 @@
+"""``manage.py explain`` on real histories: jobs run by real workers, explained from the
+rows they left. Each verdict must name the right causes and counts."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+
+from django_outbox.models import Attempt, DeadLetter, Outcome, ProcessedOperation
+from tests.support.processes import ROOT, project_env
+from tests.support.waiting import wait_for
+from tests.testapp.models import Counter
+from tests.testapp.tasks import Declined, Increment, RetryThenSucceed
+
+pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+
+
+def explain(what: str) -> str:
+    out = io.StringIO()
+    call_command("explain", what, stdout=out)
+    return out.getvalue()
+
+
+def explain_json(what: str) -> dict[str, Any]:
+    out = io.StringIO()
+    call_command("explain", what, "--json", stdout=out)
+    data: dict[str, Any] = json.loads(out.getvalue())
+    return data
+
+
+def verdict_of(text: str) -> str:
+    return next(line for line in text.splitlines() if "verdict:" in line)
+
+
+def test_a_message_published_three_times_applied_once(start_worker, queue) -> None:
+    name = f"dup{uuid.uuid4().hex[:6]}"
+    Counter.objects.create(name=name)
+    start_worker()
+    for _ in range(3):
+        Increment().apply_async(kwargs={"name": name, "op_id": "1"}, queue=queue)
+    wait_for(lambda: Attempt.objects.filter(task_name="tests.increment").count() == 3)
+    applied = Attempt.objects.get(outcome=Outcome.APPLIED)
+    text = explain(f"counter:{name}:op:1")
+    verdict = verdict_of(text)
+    assert "effect applied once at" in verdict
+    assert f"by {applied.worker_host} pid {applied.worker_pid}" in verdict
+    assert "ran 3 times" in verdict and "2 duplicate executions absorbed" in verdict
+    # Every attempt is on the timeline, with millisecond times, and the ledger row.
+    assert text.count(" attempt 1 of task ") == 3
+    assert "effect applied: ledger row" in text
+    data = explain_json(f"counter:{name}:op:1")
+    [match] = data["matches"]
+    assert [e["kind"] for e in match["events"]].count("attempt") == 3
+    assert match["verdict"] == verdict.split("verdict: ", 1)[1]
+    assert len(match["task_ids"]) == 3
+
+
+def test_retries_then_success_name_each_retrys_error(start_worker, queue) -> None:
+    name = f"r{uuid.uuid4().hex[:6]}"
+    Counter.objects.create(name=name)
+    start_worker()
+    result = RetryThenSucceed().apply_async(args=[name, 2], queue=queue)
+    wait_for(lambda: ProcessedOperation.objects.filter(key=f"flaky:{name}").exists())
+    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists())
+    verdict = verdict_of(explain(result.id))  # found by its task id
+    assert "effect applied once" in verdict
+    assert "ran 3 times" in verdict
+    assert "2 retries after TransientError, RetryAfter" in verdict
+    events = explain_json(f"flaky:{name}")["matches"][0]["events"]
+    delays = [e["data"]["retry_delay"] for e in events if e["kind"] == "attempt"]
+    assert delays[1] == 0.05 and delays[2] is None  # RetryAfter(0.05), then applied
+
+
+def test_a_permanent_failure_found_by_business_id_and_dead_letter_id(start_worker, queue):
+    payment = int(uuid.uuid4().int % 10**8) + 10**8
+    start_worker()
+    Declined().apply_async(args=[payment], queue=queue)
+    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.FAILED_PERMANENT).exists())
+    letter = DeadLetter.objects.get(idempotency_key=f"payment:{payment}:capture")
+    for what in (str(payment), str(letter.pk)):
+        verdict = verdict_of(explain(what))
+        assert "effect not applied: dead-lettered (permanent, ValueError)" in verdict
+        assert f"dead letter {letter.pk}" in verdict
+        assert "ran 1 time" in verdict
+
+
+def test_a_conflict_is_named_beside_the_applied_effect(start_worker, queue) -> None:
+    name = f"c{uuid.uuid4().hex[:6]}"
+    Counter.objects.create(name=name)
+    start_worker()
+    Increment().apply_async(kwargs={"name": name, "op_id": "1", "amount": 1}, queue=queue)
+    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).exists())
+    Increment().apply_async(kwargs={"name": name, "op_id": "1", "amount": 5}, queue=queue)
+    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.CONFLICT).exists())
+    verdict = verdict_of(explain(f"counter:{name}:op:1"))
+    assert "effect applied once" in verdict
+    assert "ran 2 times" in verdict
+    assert "dead-lettered: 1 conflict" in verdict
+
+
+def test_one_business_id_lists_every_job_it_is_part_of(db) -> None:
+    from django.utils import timezone
+
+    order = str(uuid.uuid4().int % 10**9)
+    now = timezone.now()
+    for key in (f"order:{order}:ship", f"payment:{order}:capture", f"order:{order}1:ship"):
+        ProcessedOperation.objects.create(
+            key=key, task_name="t", task_id=str(uuid.uuid4()), fingerprint="f", processed_at=now
+        )
+    keys = [m["key"] for m in explain_json(order)["matches"]]
+    # A part of the key, never a prefix of another id (order 10031 is not order 1003).
+    assert keys == [f"order:{order}:ship", f"payment:{order}:capture"]
+
+
+@pytest.mark.parametrize("what", ["no-such-job-anywhere", "bad\x01input", "x" * 300])
+def test_unknown_or_malformed_input_is_one_line_and_exit_status_1(what: str) -> None:
+    """Through the real command line: one line on stderr, status 1, no traceback."""
+    env = project_env(db_name=connection.settings_dict["NAME"], queue="unused")
+    done = subprocess.run(
+        [sys.executable, "-m", "django", "explain", what],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, done
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stdout == ""
