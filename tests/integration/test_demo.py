@@ -68,6 +68,13 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     assert "the resend was dropped at publish (it returned the same job: True)" in out
     assert "outbox rows: 1 (the rolled-back one left none)" in out
     assert re.search(r"order \d+: shipped 1 time\(s\); order \d+ \(rolled back\): shipped 0", out)
+    # The demo ends by explaining the incident from the stored data.
+    explained = out.split("\n9. manage.py explain ")[1]
+    verdict = next(line for line in explained.splitlines() if "verdict:" in line)
+    assert "effect applied once at" in verdict
+    assert "ran 2 times" in verdict
+    assert "1 stale commit fenced" in verdict
+    assert "1 lease takeover" in verdict
     # Two rebuilds of one report: the lease lock kept them apart (the second waited in
     # retries, each naming the lock error), and each write carried a larger token.
     lock_part = out.split("\n8. ")[1]

