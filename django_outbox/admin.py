@@ -6,7 +6,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.db import connections, transaction
-from django.db.models import QuerySet
+from django.db.models import Exists, OuterRef, QuerySet
 from django.db.models.functions import Now
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
@@ -18,10 +18,18 @@ from django_outbox.models import (
     Attempt,
     DeadLetter,
     DeadLetterStatus,
+    Fence,
     OutboxEvent,
     OutboxStatus,
     ProcessedOperation,
 )
+
+
+def _ms(at: Any) -> str:
+    """A time to the millisecond: attempts seconds apart must be told apart."""
+    if at is None:
+        return "-"
+    return timezone.localtime(at).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
@@ -39,29 +47,80 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 @admin.register(ProcessedOperation)
 class ProcessedOperationAdmin(ReadOnlyAdmin):
-    list_display = ("key", "task_name", "processed_at", "result_ref", "task_id")
-    search_fields = ("=key", "=task_id", "result_ref")
+    list_display = ("key", "task_name", "processed", "result_ref", "task_id")
+    # Substring search: an order number finds every key it is part of.
+    search_fields = ("key", "task_id", "result_ref")
     list_filter = ("task_name",)
     date_hierarchy = "processed_at"
+
+    @admin.display(description="processed at", ordering="processed_at")
+    def processed(self, obj: ProcessedOperation) -> str:
+        return _ms(obj.processed_at)
+
+
+@admin.register(Fence)
+class FenceAdmin(ReadOnlyAdmin):
+    """Lease takeovers: the newest fencing token of a job; an older execution's commit
+    is refused."""
+
+    list_display = ("task_id", "idempotency_key", "token", "taken_over_from", "taken_over")
+    search_fields = ("task_id", "idempotency_key", "taken_over_from")
+    date_hierarchy = "taken_over_at"
+
+    @admin.display(description="taken over at", ordering="taken_over_at")
+    def taken_over(self, obj: Fence) -> str:
+        return _ms(obj.taken_over_at)
 
 
 @admin.register(Attempt)
 class AttemptAdmin(ReadOnlyAdmin):
     list_display = (
-        "started_at",
+        "started",
         "task_name",
         "idempotency_key",
+        "task_id",
         "attempt",
         "outcome",
-        "redelivered",
-        "duration_ms",
+        "marks",
+        "duration",
         "error_class",
-        "worker_host",
-        "worker_pid",
+        "worker",
     )
     list_filter = ("outcome", "task_name", "redelivered")
-    search_fields = ("=idempotency_key", "=task_id", "=correlation_id", "=external_request_id")
+    search_fields = ("idempotency_key", "task_id", "=correlation_id", "=external_request_id")
     date_hierarchy = "started_at"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Attempt]:
+        # An earlier row with the same task id and attempt number: this one is a second
+        # execution of one delivery (a duplicate publish, a takeover), not a retry.
+        earlier = Attempt.objects.filter(
+            task_id=OuterRef("task_id"),
+            attempt=OuterRef("attempt"),
+            started_at__lt=OuterRef("started_at"),
+        )
+        rows: QuerySet[Attempt] = super().get_queryset(request)
+        return rows.annotate(repeated=Exists(earlier))
+
+    @admin.display(description="started at", ordering="started_at")
+    def started(self, obj: Attempt) -> str:
+        return _ms(obj.started_at)
+
+    @admin.display(description="duration", ordering="duration_ms")
+    def duration(self, obj: Attempt) -> str:
+        return f"{round(obj.duration_ms):,} ms"
+
+    @admin.display(description="worker")
+    def worker(self, obj: Attempt) -> str:
+        return f"{obj.worker_host} pid {obj.worker_pid}"
+
+    @admin.display(description="delivery")
+    def marks(self, obj: Attempt) -> str:
+        marks = []
+        if obj.redelivered:
+            marks.append("redelivered")
+        if getattr(obj, "repeated", False):
+            marks.append("second execution")
+        return ", ".join(marks) or "-"
 
 
 @admin.register(DeadLetter)
@@ -76,7 +135,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
         "attempts",
     )
     list_filter = ("status", "reason", "task_name")
-    search_fields = ("=idempotency_key", "=task_id", "=correlation_id")
+    search_fields = ("idempotency_key", "task_id", "=correlation_id")
     date_hierarchy = "last_attempt"
     actions = ("replay", "discard")
 

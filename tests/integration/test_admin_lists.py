@@ -1,0 +1,87 @@
+"""The admin lists an on-call engineer reads: times to the millisecond, durations to the
+millisecond, task id, host and pid, a mark for a second execution of one delivery and for
+redeliveries, substring search over keys and task ids, and fence rows read-only."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.utils import timezone
+
+from django_outbox.models import Attempt, Fence, Outcome
+
+pytestmark = pytest.mark.django_db
+
+ATTEMPTS = "/admin/django_outbox/attempt/"
+
+
+@pytest.fixture
+def admin_browser() -> Client:
+    user = User.objects.create_superuser(f"oncall-{uuid.uuid4().hex[:6]}", password="pw")
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def attempt(task_id: str, key: str, started: dt.datetime, **kw: object) -> Attempt:
+    fields: dict[str, object] = dict(
+        task_id=task_id,
+        task_name="shop.ship_order",
+        idempotency_key=key,
+        attempt=1,
+        worker_host="worker-2",
+        worker_pid=811,
+        started_at=started,
+        finished_at=started + dt.timedelta(milliseconds=25.141000000000002),
+        duration_ms=25.141000000000002,
+        outcome=Outcome.APPLIED,
+    )
+    fields.update(kw)
+    return Attempt.objects.create(**fields)
+
+
+def test_attempts_show_milliseconds_task_id_worker_and_marks(admin_browser: Client) -> None:
+    start = timezone.now().replace(microsecond=412000)
+    job = str(uuid.uuid4())
+    attempt(job, "order:1003:ship", start, outcome=Outcome.FENCED)
+    attempt(job, "order:1003:ship", start + dt.timedelta(milliseconds=300), redelivered=True)
+    page = admin_browser.get(ATTEMPTS).content.decode()
+    assert job in page
+    assert timezone.localtime(start).strftime("%H:%M:%S.412") in page
+    assert "25 ms" in page and "25.141000000000002" not in page
+    assert "worker-2 pid 811" in page
+    assert "redelivered, second execution" in page  # the later row of the same attempt
+
+
+def test_a_business_id_finds_every_key_it_is_part_of(admin_browser: Client) -> None:
+    start = timezone.now()
+    attempt(str(uuid.uuid4()), "order:ORD-1003:ship", start)
+    attempt(str(uuid.uuid4()), "payment:ORD-1003:capture", start)
+    attempt(str(uuid.uuid4()), "order:ORD-2000:ship", start)
+    page = admin_browser.get(ATTEMPTS, {"q": "ORD-1003"}).content.decode()
+    assert "order:ORD-1003:ship" in page and "payment:ORD-1003:capture" in page
+    assert "order:ORD-2000:ship" not in page
+    ledger = admin_browser.get("/admin/django_outbox/processedoperation/", {"q": "1003"})
+    assert ledger.status_code == 200
+
+
+def test_fence_rows_are_listed_and_read_only(admin_browser: Client) -> None:
+    job = str(uuid.uuid4())
+    Fence.objects.create(
+        task_id=job,
+        token=7,
+        idempotency_key="order:7:ship",
+        taken_over_from="vm:4242",
+        taken_over_at=timezone.now(),
+    )
+    listing = admin_browser.get("/admin/django_outbox/fence/")
+    assert listing.status_code == 200 and job in listing.content.decode()
+    assert "vm:4242" in listing.content.decode()
+    assert admin_browser.get("/admin/django_outbox/fence/add/").status_code == 403
+    change = admin_browser.post(f"/admin/django_outbox/fence/{job}/change/", {"token": 1})
+    assert change.status_code in (302, 403)
+    assert Fence.objects.get(task_id=job).token == 7  # evidence is not edited
