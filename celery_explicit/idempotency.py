@@ -27,6 +27,12 @@ KEY_HEADER = "idempotency_key"
 CORRELATION_HEADER = "correlation_id"
 #: Message header linking a replayed message to its dead letter.
 REPLAY_HEADER = "replay_of"
+#: Message header naming how the job was first published: "direct" (apply_async),
+#: "on_commit" (dispatch after the caller's commit) or "outbox" (the relay).
+PUBLISHED_VIA_HEADER = "explicit_published_via"
+#: Message header counting the job's deferrals so far, by the step that deferred it
+#: ({"execution_lease": 2}): carried by each re-publish, stored on the attempt row.
+DEFERRALS_HEADER = "explicit_deferrals"
 
 MAX_KEY_LENGTH = 255
 

@@ -149,12 +149,17 @@ def _through_steps(
         if decision is RUN:
             state.entered.add(step.name)
             continue
-        return _act(task, job, args, kwargs, decision)
+        return _act(task, job, args, kwargs, decision, step.name)
     return _run_handler(task, job, args, kwargs, state)
 
 
 def _act(
-    task: Any, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any], decision: Decision
+    task: Any,
+    job: Job,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    decision: Decision,
+    by: str,
 ) -> None:
     """Carry out a step's decision not to run the handler now."""
     execution = job.execution
@@ -165,7 +170,7 @@ def _act(
             layer="delivery",
             **decision.log_fields,
         )
-        republish.defer(task, execution, args, kwargs, decision.seconds)
+        republish.defer(task, execution, args, kwargs, decision.seconds, by=by)
     if isinstance(decision, Drop):
         records.attempt(execution, job.request, decision.outcome, note=decision.note)
         return None

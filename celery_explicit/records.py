@@ -41,6 +41,8 @@ def attempt_fields(
     correlation_id: str = "",
     external_request_id: str = "",
     replay_of: int | None = None,
+    published_via: str = "",
+    deferrals: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The columns of one attempt row (column names equal the field names)."""
     return dict(
@@ -64,6 +66,8 @@ def attempt_fields(
         correlation_id=correlation_id[:255],
         external_request_id=external_request_id[:255],
         replay_of=replay_of,
+        published_via=published_via[:16],
+        deferrals=deferrals or None,
     )
 
 
@@ -94,6 +98,8 @@ def fields_of(
         correlation_id=execution.correlation_id,
         external_request_id=execution.external_request_id,
         replay_of=_int_or_none(getattr(request, idempotency.REPLAY_HEADER, None)),
+        published_via=str(getattr(request, idempotency.PUBLISHED_VIA_HEADER, None) or ""),
+        deferrals=_counts(getattr(request, idempotency.DEFERRALS_HEADER, None)),
     )
 
 
@@ -173,6 +179,14 @@ _REASON_OF = {"FAILED_PERMANENT": "PERMANENT", "FAILED_UNCLASSIFIED": "UNCLASSIF
 
 def log(message: str, execution: Execution, **fields: Any) -> None:
     logger.info(message, extra={**execution.log_fields(), **fields})
+
+
+def _counts(value: object) -> dict[str, int] | None:
+    """A deferrals header as it should be stored; anything malformed is dropped."""
+    if not isinstance(value, dict):
+        return None
+    counts = {str(k)[:32]: int(v) for k, v in value.items() if isinstance(v, int)}
+    return counts or None
 
 
 def _int_or_none(value: object) -> int | None:

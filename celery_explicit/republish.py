@@ -30,6 +30,10 @@ def carry_headers(request: Any, headers: dict[str, Any]) -> None:
     if execution is not None:
         headers[idempotency.KEY_HEADER] = execution.key
         headers.setdefault(idempotency.CORRELATION_HEADER, execution.correlation_id)
+    for header in (idempotency.PUBLISHED_VIA_HEADER, idempotency.DEFERRALS_HEADER):
+        value = getattr(request, header, None)
+        if value:
+            headers.setdefault(header, value)
     replay = getattr(request, idempotency.REPLAY_HEADER, None)
     if replay is not None:
         # An operator's replay stays one: its dedup id is not a duplicate.
@@ -68,12 +72,18 @@ def defer(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     delay: float,
+    *,
+    by: str,
 ) -> NoReturn:
     """Publish the same job again ``delay`` seconds from now and end this delivery.
 
-    Same task id and retry count, no attempt used; the pool slot is free at once.
+    Same task id and retry count, no attempt used; the pool slot is free at once. The
+    message counts its deferrals by step (``by``), so the attempt that finally runs
+    records them: a count in a header, not a row per deferral.
     """
     request = task.request
+    deferrals = dict(getattr(request, idempotency.DEFERRALS_HEADER, None) or {})
+    deferrals[by] = int(deferrals.get(by, 0)) + 1
     if not execution_lease.hand_back(execution):
         raise _end_without_republishing(task, "deferral")
     try:
@@ -84,6 +94,7 @@ def defer(
             countdown=delay,
             retries=int(request.retries or 0),
             queue=delivery(request, "routing_key"),
+            headers={idempotency.DEFERRALS_HEADER: deferrals},
             **{OPTION: True},
         )
     except Exception as exc:

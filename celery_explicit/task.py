@@ -120,6 +120,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             # and its dedup claim (same task id); nothing is checked again.
             republish.carry_headers(self.request, headers)
         else:
+            headers.setdefault(idempotency.PUBLISHED_VIA_HEADER, "direct")
             _arguments, given = self.bind_arguments(tuple(args or ()), dict(kwargs or {}))
             headers[idempotency.KEY_HEADER] = idempotency.render_key(
                 self.name, self.contract.idempotency_key, given

@@ -12,6 +12,7 @@ write their row on their own when they end (``record_attempt``).
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -81,4 +82,6 @@ def _adapt(connection: Any, value: Any) -> Any:
     # own format (SQLite stores text).
     if isinstance(value, dt.datetime):
         return connection.ops.adapt_datetimefield_value(value)
+    if isinstance(value, dict):
+        return json.dumps(value)  # a JSON column (the deferral counts)
     return getattr(value, "value", value)

@@ -38,6 +38,7 @@ from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 from prometheus_client import Counter
 
+from celery_explicit import idempotency
 from celery_explicit.errors import BadInput, qualname
 from django_outbox import outbox
 from django_outbox.conf import settings
@@ -119,7 +120,9 @@ def dispatch(
 
     def publish_after_commit() -> None:
         try:
-            task.apply_async(call_args, call_kwargs, task_id=task_id, **publish_options)
+            task.apply_async(
+                call_args, call_kwargs, task_id=task_id, **_after_commit(publish_options)
+            )
         except Exception as exc:
             # Raising here would reach the caller after its commit (a success reported
             # as a failure) and stop Django's later on_commit callbacks; the job is lost
@@ -146,6 +149,12 @@ def dispatch(
 
     transaction.on_commit(publish_after_commit, using=alias)
     return task_id
+
+
+def _after_commit(options: dict[str, Any]) -> dict[str, Any]:
+    """The publish options of an on_commit dispatch, the path named in the headers."""
+    headers = {idempotency.PUBLISHED_VIA_HEADER: "on_commit", **(options.get("headers") or {})}
+    return {**options, "headers": headers}
 
 
 def _check_encodable(task: Task[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -246,6 +246,10 @@ def _attempt_event(attempt: Attempt, attempts: list[Attempt]) -> Event:
         notes.append("a second execution of the same attempt")
     if attempt.replay_of is not None:
         notes.append(f"replay of dead letter {attempt.replay_of}")
+    if runs_of_same and runs_of_same[0] is attempt and attempt.published_via:
+        notes.append(f"published {attempt.published_via.replace('_', ' ')}")
+    if attempt.deferrals:
+        notes.append("deferred before: " + _deferral_text(attempt.deferrals))
     error = f" {attempt.error_class}" if attempt.error_class else ""
     retry = f"; retry in {attempt.retry_delay:.1f}s" if attempt.retry_delay is not None else ""
     text = (
@@ -264,8 +268,20 @@ def _attempt_event(attempt: Attempt, attempts: list[Attempt]) -> Event:
         "retry_delay": attempt.retry_delay,
         "redelivered": attempt.redelivered,
         "replay_of": attempt.replay_of,
+        "published_via": attempt.published_via,
+        "deferrals": attempt.deferrals or {},
     }
     return Event(attempt.started_at, "attempt", text, data)
+
+
+def _deferral_text(counts: dict[str, int]) -> str:
+    """``{"execution_lease": 2}`` as words: why the job waited, and how often."""
+    why = {
+        "ordering": "waiting for its entity's turn",
+        "execution_lease": "another execution held the job",
+        "downstream": "the downstream was busy or open",
+    }
+    return ", ".join(f"{n}x {why.get(step, step)}" for step, n in sorted(counts.items()))
 
 
 def _fence_event(fence: Fence) -> Event:
@@ -354,6 +370,15 @@ def _verdict(
     absorbed = outcomes[Outcome.ALREADY_APPLIED]
     if absorbed:
         causes.append(f"{absorbed} duplicate execution{'s' if absorbed > 1 else ''} absorbed")
+    deferred: Counter[str] = Counter()
+    last_of_task = {a.task_id: a for a in attempts}  # counts are carried, so the last
+    for last in last_of_task.values():
+        deferred.update(last.deferrals or {})
+    if deferred:
+        total = sum(deferred.values())
+        causes.append(
+            f"deferred {total} time{'s' if total > 1 else ''} ({_deferral_text(dict(deferred))})"
+        )
     replays = sum(1 for a in attempts if a.replay_of is not None)
     if replays:
         causes.append(f"replayed from the dead letters ({replays} attempt(s))")

@@ -115,6 +115,20 @@ class Attempt(models.Model):
     replay_of = models.BigIntegerField(
         null=True, blank=True, help_text="id of the dead letter this replays"
     )
+    # How the job was first published, and how often it was deferred before this
+    # attempt (by the step that deferred it): carried in the message's headers, so
+    # recording them costs no write of its own. db_default: rows written by hand
+    # (bench/benchapp's floor) need not name them.
+    published_via = models.CharField(
+        max_length=16,
+        blank=True,
+        default="",
+        db_default="",
+        help_text="direct, on_commit or outbox",
+    )
+    deferrals = models.JSONField(
+        null=True, blank=True, help_text="deferrals before this attempt, by step"
+    )
 
     class Meta:
         db_table = "django_outbox_attempt"

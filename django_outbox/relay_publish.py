@@ -77,7 +77,7 @@ class PublishPolicy:
                 event.kwargs,
                 task_id=event_id,
                 producer=producer,
-                headers=dict(event.headers),
+                headers={idempotency.PUBLISHED_VIA_HEADER: "outbox", **event.headers},
                 # Fail fast: the relay's own backoff replaces Celery's publish retries,
                 # which would hold the whole batch (and its row locks) meanwhile.
                 retry=False,

@@ -136,3 +136,50 @@ def test_unknown_or_malformed_input_is_one_line_and_exit_status_1(what: str) -> 
     assert "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stdout == ""
+
+
+def test_deferrals_are_counted_on_the_attempt_that_runs_and_explained(start_worker, queue):
+    """Job 2 of an order delivered before job 1 waits its turn (deferred, re-published):
+    the attempt that finally runs carries the count, and the verdict names it."""
+    from tests.testapp.tasks import ApplyOrderEvent
+
+    order = int(uuid.uuid4().int % 10**9)
+    tag = uuid.uuid4().hex[:6]
+    start_worker()
+    # Numbers are taken at publish: job 1 first, but held back 1.5 s by a countdown.
+    ApplyOrderEvent().apply_async(args=[order, 1, tag], queue=queue, countdown=1.5)
+    ApplyOrderEvent().apply_async(args=[order, 2, tag], queue=queue)
+    wait_for(lambda: Attempt.objects.filter(idempotency_key=f"order:{order}:event:2").exists())
+    second = Attempt.objects.get(idempotency_key=f"order:{order}:event:2")
+    assert second.deferrals and second.deferrals["ordering"] >= 1
+    assert second.published_via == "direct"
+    verdict = verdict_of(explain(f"order:{order}:event:2"))
+    assert f"deferred {second.deferrals['ordering']} time" in verdict
+    assert "waiting for its entity's turn" in verdict
+
+
+def test_the_publish_path_is_recorded(start_worker, start_relay, queue) -> None:
+    from django.db import transaction
+
+    from django_outbox.dispatch import dispatch
+
+    names = {path: f"{path}{uuid.uuid4().hex[:6]}" for path in ("on_commit", "outbox")}
+    for name in names.values():
+        Counter.objects.create(name=name)
+    start_worker()
+    start_relay()
+    with transaction.atomic():
+        dispatch(
+            Increment(), kwargs={"name": names["on_commit"], "op_id": "1"}, options={"queue": queue}
+        )
+        dispatch(
+            Increment(),
+            kwargs={"name": names["outbox"], "op_id": "1"},
+            durable=True,
+            options={"queue": queue},
+        )
+    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).count() == 2, timeout=30)
+    for path, name in names.items():
+        row = Attempt.objects.get(idempotency_key=f"counter:{name}:op:1")
+        assert row.published_via == path
+        assert f"published {path.replace('_', ' ')}" in explain(f"counter:{name}:op:1")
