@@ -98,7 +98,11 @@ def _resolve(query: str) -> tuple[list[str], list[str]]:
     exact = _keys_of(Q(idempotency_key=query), Q(key=query))
     if exact:
         return exact, []
-    by_task = _keys_of(Q(task_id=query), Q(task_id=query))
+    # The ledger's task_id has no index (it would cost every effect an index write):
+    # read it only for a task no attempt row names.
+    by_task = _keys_of(Q(task_id=query), None)
+    if not by_task and not attempts.filter(task_id=query).exists():
+        by_task = _keys_of(Q(pk__in=[]), Q(task_id=query))
     by_task += [
         k
         for k in letters.filter(task_id=query).values_list("idempotency_key", flat=True)
@@ -122,7 +126,7 @@ def _resolve(query: str) -> tuple[list[str], list[str]]:
     return named_letter + business, []
 
 
-def _keys_of(attempt_filter: Q, ledger_filter: Q) -> list[str]:
+def _keys_of(attempt_filter: Q, ledger_filter: Q | None) -> list[str]:
     db = settings.database
     keys = set(
         Attempt.objects.using(db)
@@ -131,11 +135,12 @@ def _keys_of(attempt_filter: Q, ledger_filter: Q) -> list[str]:
         .values_list("idempotency_key", flat=True)
         .distinct()[: MAX_MATCHES * 10]
     )
-    keys.update(
-        ProcessedOperation.objects.using(db)
-        .filter(ledger_filter)
-        .values_list("key", flat=True)[: MAX_MATCHES * 10]
-    )
+    if ledger_filter is not None:
+        keys.update(
+            ProcessedOperation.objects.using(db)
+            .filter(ledger_filter)
+            .values_list("key", flat=True)[: MAX_MATCHES * 10]
+        )
     return sorted(keys)
 
 
@@ -182,11 +187,17 @@ def _explanation(
 ) -> Explanation:
     db = settings.database
     # A replay is a new task whose attempts point at the letter (replay_of).
-    replays = list(
-        Attempt.objects.using(db)
-        .filter(replay_of__in=[letter.pk for letter in letters])
-        .exclude(pk__in=[a.pk for a in attempts])
-        .order_by("started_at")
+    seen = {a.pk for a in attempts}
+    replays = (
+        [
+            a
+            for a in Attempt.objects.using(db)
+            .filter(replay_of__in=[letter.pk for letter in letters])
+            .order_by("started_at")
+            if a.pk not in seen
+        ]
+        if letters
+        else []
     )
     attempts = sorted([*attempts, *replays], key=lambda a: a.started_at)
     all_tasks = _ordered(set(task_ids) | {a.task_id for a in attempts})

@@ -146,6 +146,12 @@ class Attempt(models.Model):
             ),
             models.Index(fields=["task_id"], name="django_outbox_attempt_task_idx"),
             models.Index(fields=["outcome", "started_at"], name="django_outbox_attempt_outc_idx"),
+            # explain: the attempts a replay led to. Partial: most rows replay nothing.
+            models.Index(
+                fields=["replay_of"],
+                name="django_outbox_att_replay_idx",
+                condition=Q(replay_of__isnull=False),
+            ),
         ]
 
     def __str__(self) -> str:

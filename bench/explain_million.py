@@ -1,0 +1,96 @@
+"""``explain`` on a database with a million attempt rows: how long one answer takes.
+
+Fills its own database (``EXPLICIT_BENCH_DB``, default ``explicit_bench_explain``) with
+``--jobs`` jobs of three attempts each (a retry, then applied; every 50th also
+dead-lettered), a ledger row per applied job, in SQL (``generate_series``), once; then
+times ``explain.explain`` by idempotency key, task id, dead letter id and business id,
+``--repeat`` times each, and prints the median and the worst.
+
+    scripts/bench explain_million.py [--jobs 340000] [--repeat 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("EXPLICIT_BENCH_DB", "explicit_bench_explain")
+
+from common import setup_django
+
+FILL = """
+INSERT INTO django_outbox_attempt (task_id, task_name, idempotency_key, attempt,
+    redelivered, worker_host, worker_pid, started_at, finished_at, duration_ms, outcome,
+    error_class, error_message, retry_delay, correlation_id, external_request_id)
+SELECT 'job-' || j, 'shop.ship_order', 'order:' || j || ':ship', a, false, 'worker-1',
+    800 + a, now() - (j || ' seconds')::interval + (a || ' ms')::interval,
+    now() - (j || ' seconds')::interval + (a || ' ms')::interval + interval '25 ms', 25.0,
+    CASE WHEN a < 3 THEN 'retry_scheduled' ELSE 'applied' END,
+    CASE WHEN a < 3 THEN 'shop.GatewayTimeout' ELSE '' END, '',
+    CASE WHEN a < 3 THEN 1.5 ELSE NULL END, '', ''
+FROM generate_series(1, %(jobs)s) AS j, generate_series(1, 3) AS a;
+INSERT INTO django_outbox_processed_operation (key, task_name, task_id, fingerprint,
+    result_ref, processed_at)
+SELECT 'order:' || j || ':ship', 'shop.ship_order', 'job-' || j, 'f', '',
+    now() - (j || ' seconds')::interval
+FROM generate_series(1, %(jobs)s) AS j;
+INSERT INTO django_outbox_dead_letter (task_id, task_name, args, kwargs, raw_body,
+    idempotency_key, reason, error_class, error_message, traceback, attempts, first_seen,
+    last_attempt, correlation_id, queue, status, replayed_task_id, resolved_by)
+SELECT 'job-' || j, 'shop.ship_order', '[]', '{}', '', 'order:' || j || ':ship',
+    'permanent', 'shop.Refused', '', '', 1, now(), now(), '', '', 'open', '', ''
+FROM generate_series(50, %(jobs)s, 50) AS j;
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--jobs", type=int, default=340_000)
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    setup_django()
+
+    from django.db import connection
+
+    from django_outbox import explain
+    from django_outbox.models import Attempt, DeadLetter
+
+    rows = Attempt.objects.count()
+    if rows < args.jobs * 3:
+        print(f"filling: {args.jobs} jobs, {args.jobs * 3} attempt rows ...", flush=True)
+        started = time.perf_counter()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "TRUNCATE django_outbox_attempt, django_outbox_dead_letter, "
+                "django_outbox_processed_operation"
+            )
+            cursor.execute(FILL, {"jobs": args.jobs})
+            cursor.execute("VACUUM ANALYZE")
+        print(f"filled in {time.perf_counter() - started:.1f} s", flush=True)
+    rows = Attempt.objects.count()
+    middle = args.jobs // 2 + 50 - (args.jobs // 2) % 50  # a dead-lettered job
+    letter = DeadLetter.objects.get(task_id=f"job-{middle}")
+    queries = {
+        "idempotency key": f"order:{middle}:ship",
+        "task id": f"job-{middle}",
+        "dead letter id": str(letter.pk),
+        "business id (a key part)": str(middle),
+    }
+    print(f"{rows} attempt rows")
+    for label, what in queries.items():
+        times = []
+        for _ in range(args.repeat):
+            started = time.perf_counter()
+            found = explain.explain(what)
+            times.append((time.perf_counter() - started) * 1000)
+        assert found and found[0].key == f"order:{middle}:ship", (label, found)
+        print(
+            f"explain by {label:<26} median {statistics.median(times):8.1f} ms   "
+            f"worst {max(times):8.1f} ms   (n={args.repeat})"
+        )
+
+
+if __name__ == "__main__":
+    main()
