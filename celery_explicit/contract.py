@@ -149,11 +149,13 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
     def refuse(message: str, field: str) -> ContractError:
         return ContractError(name, message, field=field)
 
-    _refuse_unknown_options(name, namespace, refuse)
+    # Before the unknown-option check: a decorator's autoretry_for= gets the same
+    # message (what to declare instead) as a class attribute does.
     # Checked along the MRO: an abstract base must not smuggle them in either.
     for option, hint in REFUSED_CELERY_OPTIONS.items():
         if any(option in k.__dict__ for k in cls.__mro__ if not _is_celery_class(k)):
             raise refuse(f"option {option!r} is not used by ExplicitTask: {hint}", option)
+    _refuse_unknown_options(name, namespace, refuse)
     for option, (value, why) in FIXED_CELERY_OPTIONS.items():
         actual = getattr(cls, option, value)
         if actual != value:
@@ -162,16 +164,19 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
                 option,
             )
 
+    sig, _ = run_signature(cls)
     declared = {field: getattr(cls, field, None) for field in REQUIRED}
     missing = [field for field, value in declared.items() if value is None]
     if missing:
-        raise refuse(
+        example = _example(missing[0], name, sig)
+        raise ContractError(
+            name,
             f"missing declaration {missing[0]!r} (every ExplicitTask declares "
-            f"{', '.join(REQUIRED)})",
-            missing[0],
+            f"{', '.join(REQUIRED)}); for example {example}",
+            field=missing[0],
+            hint=f"Declare it on the task: {example}",
         )
 
-    sig, _ = run_signature(cls)
     params = tuple(
         p.name
         for p in sig.parameters.values()
@@ -298,6 +303,21 @@ def _refuse_unknown_options(
 
 def _is_celery_class(klass: type) -> bool:
     return klass.__module__.startswith("celery.") or klass is object
+
+
+def _example(field: str, task_name: str, sig: inspect.Signature) -> str:
+    """A declaration of ``field`` built from this task's own name and run() parameters."""
+    if field == "idempotency_key":
+        params = [p for p in sig.parameters if p not in ("args", "kwargs")][:2]
+        entity = task_name.rsplit(".", 1)[-1]
+        parts = "".join(f":{{{p}}}" for p in params) or ":{some_id}"
+        return f"idempotency_key = '{entity}{parts}' (the effect's business identity)"
+    return {
+        "visibility_timeout": "visibility_timeout = 60 (seconds; at least twice the run)",
+        "expected_duration": "expected_duration = 5 (seconds a normal run takes)",
+        "retry_on": "retry_on = (TimeoutError,) (errors worth retrying; () for none)",
+        "fail_on": "fail_on = (ValueError,) (errors no retry can fix; () for none)",
+    }[field]
 
 
 def _exception_classes(

@@ -24,9 +24,13 @@ class ContractError(ExplicitError, ImproperlyConfigured):
     Celery app is finalized) and by ``manage.py check``.
     """
 
-    def __init__(self, task_name: str, message: str, *, field: str | None = None) -> None:
+    def __init__(
+        self, task_name: str, message: str, *, field: str | None = None, hint: str = ""
+    ) -> None:
         self.task_name = task_name
         self.field = field
+        #: What to write instead, where the error can say (``manage.py check`` shows it).
+        self.hint = hint
         super().__init__(f"Task {task_name}: {message}")
 
 

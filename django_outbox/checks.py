@@ -73,7 +73,25 @@ def check_celery_configuration(
 
     errors += _check_serializers(app)
     errors += _check_visibility(app, tasks)
+    errors += _check_broker_url(app, tasks)
     return errors
+
+
+def _check_broker_url(app: Any, tasks: list[Any]) -> list[checks.CheckMessage]:
+    """Without a broker URL Celery quietly uses amqp://guest@localhost//: the Redis
+    transport options (and the backstop check E003) then do nothing."""
+    if not tasks or app.conf.broker_url:
+        return []
+    return [
+        checks.Warning(
+            f"Celery app {app.main!r} runs ExplicitTasks but has no broker URL: Celery "
+            "falls back to amqp://guest@localhost//, and the broker checks here "
+            "(visibility timeout E003, restore sweep W002) cannot see your broker",
+            hint="Set CELERY_BROKER_URL (or broker_url on the app), e.g. "
+            "'redis://127.0.0.1:6379/0'.",
+            id="django_outbox.W003",
+        )
+    ]
 
 
 @checks.register("django_outbox", checks.Tags.database)
@@ -94,6 +112,8 @@ def check_ledger_database(
 
 
 def _contract_hint(exc: ContractError) -> str:
+    if exc.hint:
+        return exc.hint
     return (
         f"Fix the declaration of {exc.field!r} on task {exc.task_name}."
         if exc.field

@@ -77,6 +77,24 @@ def test_contract_error_of_a_decorator_task_surfaces_in_check() -> None:
     assert ids(found) == ["django_outbox.E001"]
     assert "tests.broken_missing_key: missing declaration 'idempotency_key'" in found[0].msg
     assert found[0].obj == "tests.broken_missing_key"
+    # The hint is an example from the task's own run() parameters, not "fix it".
+    assert found[0].hint == (
+        "Declare it on the task: idempotency_key = 'broken_missing_key:{order_id}' "
+        "(the effect's business identity)"
+    )
+
+
+def test_an_app_without_a_broker_url_is_a_warning(conf: Any) -> None:
+    saved = app.conf.broker_url
+    app.conf.broker_url = None
+    try:
+        found = checks.check_celery_configuration()
+    finally:
+        app.conf.broker_url = saved
+    assert "django_outbox.W003" in ids(found)
+    [warning] = [m for m in found if m.id == "django_outbox.W003"]
+    assert "amqp://guest@localhost" in warning.msg
+    assert "django_outbox.W003" not in ids(checks.check_celery_configuration())
 
 
 def test_unimportable_app_setting_is_an_error() -> None:

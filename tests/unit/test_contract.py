@@ -380,3 +380,36 @@ def test_ordering_declaration_is_checked_against_run() -> None:
     with pytest.raises(ContractError, match="ordering_gap=-1 must be a positive"):
         define(ordering_key="payment:{payment_id}", ordering_gap=-1)
     assert define().contract.ordering is None
+
+
+def test_a_missing_key_is_shown_an_example_from_the_tasks_own_parameters() -> None:
+    with pytest.raises(ContractError) as caught:
+        define(idempotency_key=DROP)
+    assert "for example idempotency_key = 'capture_payment:{payment_id}'" in str(caught.value)
+    assert caught.value.hint.startswith("Declare it on the task: idempotency_key = ")
+
+
+def test_autoretry_for_gets_the_same_message_in_the_decorator_and_the_class() -> None:
+    app = make_app()
+    with pytest.raises(ContractError) as decorated:
+
+        @app.task(
+            base=ExplicitTask,
+            shared=False,
+            name="shop.autoretry_decorated",
+            idempotency_key="invoice:{invoice_id}:send_email",
+            visibility_timeout=120,
+            expected_duration=10,
+            retry_on=(GatewayTimeout,),
+            fail_on=(CardDeclined,),
+            autoretry_for=(GatewayTimeout,),
+        )
+        def send(invoice_id: int) -> None:
+            return None
+
+        send.contract  # noqa: B018  (a decorator task is built when first used)
+    with pytest.raises(ContractError) as in_class:
+        define(autoretry_for=(GatewayTimeout,))
+    expected = "option 'autoretry_for' is not used by ExplicitTask: declare retry_on / fail_on"
+    assert expected in str(decorated.value)
+    assert expected in str(in_class.value)
