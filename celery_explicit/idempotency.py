@@ -33,6 +33,9 @@ PUBLISHED_VIA_HEADER = "explicit_published_via"
 #: Message header counting the job's deferrals so far, by the step that deferred it
 #: ({"execution_lease": 2}): carried by each re-publish, stored on the attempt row.
 DEFERRALS_HEADER = "explicit_deferrals"
+#: Message header on a deferral's re-publish of a delivery the broker had redelivered:
+#: the copy that finally runs is still that redelivery, and its attempt row says so.
+REDELIVERED_HEADER = "explicit_redelivered"
 
 MAX_KEY_LENGTH = 255
 

@@ -86,7 +86,9 @@ def fields_of(
         task_name=execution.task_name,
         idempotency_key=execution.key,
         attempt=execution.attempt,
-        redelivered=bool(delivery(request, "redelivered")),
+        # A deferred redelivery runs as a re-published copy: the header keeps the flag.
+        redelivered=bool(delivery(request, "redelivered"))
+        or bool(getattr(request, idempotency.REDELIVERED_HEADER, False)),
         worker_host=str(request.hostname or ""),
         worker_pid=os.getpid(),
         started_at=execution.started_at,
@@ -165,7 +167,8 @@ def dead_letter(
         error_class=qualname(exc),
         error_message=str(exc)[:4000],
         traceback="".join(tb.format_exception(exc)),
-        attempts=execution.attempt,
+        # A message past its delivery limit never ran: its deliveries are what counted.
+        attempts=int(getattr(exc, "deliveries", 0) or execution.attempt),
         correlation_id=idempotency.correlation_of(request),
         queue=str(delivery(request, "routing_key") or ""),
     )

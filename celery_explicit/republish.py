@@ -84,6 +84,9 @@ def defer(
     request = task.request
     deferrals = dict(getattr(request, idempotency.DEFERRALS_HEADER, None) or {})
     deferrals[by] = int(deferrals.get(by, 0)) + 1
+    headers: dict[str, Any] = {idempotency.DEFERRALS_HEADER: deferrals}
+    if redelivered(request):
+        headers[idempotency.REDELIVERED_HEADER] = True
     if not execution_lease.hand_back(execution):
         raise _end_without_republishing(task, "deferral")
     try:
@@ -94,12 +97,19 @@ def defer(
             countdown=delay,
             retries=int(request.retries or 0),
             queue=delivery(request, "routing_key"),
-            headers={idempotency.DEFERRALS_HEADER: deferrals},
+            headers=headers,
             **{OPTION: True},
         )
     except Exception as exc:
         raise Reject(exc, requeue=True) from exc
     raise Ignore()
+
+
+def redelivered(request: Any) -> bool:
+    """Did the broker redeliver this job's message, here or before a deferral?"""
+    return bool(delivery(request, "redelivered")) or bool(
+        getattr(request, idempotency.REDELIVERED_HEADER, False)
+    )
 
 
 def _end_without_republishing(task: Any, what: str) -> Ignore:

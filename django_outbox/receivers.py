@@ -94,6 +94,8 @@ def record_unknown_task(
         task_id=id,
         task_name=str(name or "?"),
         message=message,
+        # One word for one cause, whether the worker or the relay meets it.
+        reason=DeadLetterReason.UNKNOWN_TASK,
         error_class="celery.exceptions.NotRegistered",
         error_message=f"unknown task name {name!r}: no task with this name is "
         "registered in the worker that received it",

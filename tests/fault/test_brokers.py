@@ -65,5 +65,8 @@ def test_unknown_task_and_bad_arguments_are_dead_lettered(start_worker, queue, b
     wait_for(lambda: DeadLetter.objects.count() == 2, timeout=30, what="two dead letters")
     wait_for(lambda: Counter.objects.get(name="after").value == 1, what="the good job")
     reasons = dict(DeadLetter.objects.values_list("task_id", "reason"))
-    assert reasons == {unknown.id: DeadLetterReason.BAD_INPUT, wrong.id: DeadLetterReason.BAD_INPUT}
+    assert reasons == {
+        unknown.id: DeadLetterReason.UNKNOWN_TASK,
+        wrong.id: DeadLetterReason.BAD_INPUT,
+    }
     assert worker.alive()

@@ -26,6 +26,7 @@ def test_poison_message_goes_to_dead_letters_after_max_deliveries(
     letter = DeadLetter.objects.get()
     assert letter.reason == DeadLetterReason.DELIVERY_LIMIT
     assert "delivered 4 times, more than max_deliveries=3" in letter.error_message
+    assert letter.attempts == 4  # its deliveries, not the one attempt row it never had
     assert redis_client.llen(f"ran:{job}") == 3  # three kills, the fourth not run
     assert list(Attempt.objects.values_list("outcome", flat=True)) == [Outcome.DELIVERY_LIMIT]
     # The worker survived and goes on consuming.

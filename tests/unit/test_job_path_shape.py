@@ -99,3 +99,29 @@ def test_a_script_name_is_one_script() -> None:
 def settings_override(settings: Any) -> Any:
     """pytest-django's ``settings`` fixture, named apart from our settings object."""
     return settings
+
+
+def test_a_deferred_redelivery_is_still_recorded_as_one() -> None:
+    """A redelivered message deferred by a step runs as a re-published copy, which the
+    broker does not flag; the header the deferral adds keeps the attempt row truthful."""
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from celery_explicit import idempotency, records, republish
+    from celery_explicit.execution import Execution
+    from celery_explicit.outcomes import Outcome
+
+    execution = Execution(
+        task_id="t",
+        task_name="shop.ship_order",
+        key="order:1:ship",
+        fingerprint="f",
+        attempt=1,
+        started_at=dt.datetime.now(dt.UTC),
+        correlation_id="",
+    )
+    copy = SimpleNamespace(delivery_info={"redelivered": False}, hostname="w", retries=0)
+    assert not records.fields_of(execution, copy, Outcome.APPLIED)["redelivered"]
+    setattr(copy, idempotency.REDELIVERED_HEADER, True)
+    assert republish.redelivered(copy)
+    assert records.fields_of(execution, copy, Outcome.APPLIED)["redelivered"]
