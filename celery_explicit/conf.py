@@ -78,6 +78,10 @@ class Settings:
     execution_lease: Setting[bool] = Setting(True, _flag, env=True)
     #: *environment* Off: message and execution leases are not extended (they run out).
     lease_extend: Setting[bool] = Setting(True, _flag, env=True)
+    #: A worker refuses to start while ``manage.py check`` reports one of our errors
+    #: (``django_outbox.E*``: a contract, the broker's backstop, pickle). True: it
+    #: starts anyway and logs them as warnings (an escape hatch, not a default).
+    start_despite_check_errors: Setting[bool] = Setting(False, _flag)
     #: Events one relay claims, publishes and marks in one transaction.
     outbox_batch_size: Setting[int] = Setting(100, int)
     #: Seconds an idle relay waits before looking again (with LISTEN/NOTIFY a commit

@@ -17,13 +17,20 @@ first call per app adds the steps, later ones do nothing.
 
 from __future__ import annotations
 
+import logging
+import sys
 import weakref
 from typing import Any
 
-from celery import bootsteps
+from celery import bootsteps, signals
 
 from celery_explicit import store
+from celery_explicit.conf import settings
 from celery_explicit.lease import LeaseKeeper
+
+logger = logging.getLogger("celery_explicit.worker_steps")
+#: Our checks' ids start with this (the app's checks, registered by django_outbox).
+CHECK_PREFIX = "django_outbox."
 
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -54,9 +61,41 @@ class RecordUndecodable(bootsteps.StartStopStep):
 
 
 def install(app: Any) -> None:
-    """Add our consumer steps to ``app`` (once per app)."""
+    """Add our consumer steps to ``app`` (once per app), and the start-up check."""
     if app in _installed:
         return
     app.steps["consumer"].add(RecordUndecodable)
     app.steps["consumer"].add(LeaseKeeper)
     _installed.add(app)
+    signals.worker_init.connect(refuse_on_check_errors, dispatch_uid=__name__ + ".checks")
+
+
+def refuse_on_check_errors(sender: Any = None, **_: Any) -> None:
+    """``worker_init``: a worker whose configuration ``manage.py check`` rejects does not
+    start (contracts are checked at start-up, not only when someone runs check).
+
+    Celery's Django fixup runs the checks too but ignores what they find, and Celery's
+    signals log an exception a receiver raises instead of stopping; ``SystemExit`` is
+    not an ``Exception``, so it ends ``celery worker`` with status 1 here.
+    """
+    app = getattr(sender, "app", None)
+    if app is None or app not in _installed:
+        return
+    from django.core.checks import ERROR, run_checks
+
+    found = [m for m in run_checks() if m.level >= ERROR and str(m.id).startswith(CHECK_PREFIX)]
+    if not found:
+        return
+    lines = "\n".join(f"  {m.id}: {m.msg} (hint: {m.hint})" for m in found)
+    if settings.start_despite_check_errors:
+        logger.warning(
+            "starting despite check errors (EXPLICIT_START_DESPITE_CHECK_ERRORS):\n%s", lines
+        )
+        return
+    message = (
+        f"worker refuses to start: manage.py check reports {len(found)} error(s):\n{lines}\n"
+        "Fix them, or set EXPLICIT_START_DESPITE_CHECK_ERRORS = True to start anyway."
+    )
+    logger.critical(message)
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(1)

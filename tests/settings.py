@@ -65,7 +65,9 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # The global visibility timeout is only the backstop (>= every task's lease: E003);
 # each ExplicitTask's own lease governs its message, checked by a sweep every second.
 CELERY_BROKER_TRANSPORT_OPTIONS = {
-    "visibility_timeout": 60,
+    # EXPLICIT_TEST_BACKSTOP: a test that needs a broker backstop shorter than a task's
+    # lease (the start-up refusal) sets it for its worker.
+    "visibility_timeout": int(os.environ.get("EXPLICIT_TEST_BACKSTOP", "60")),
     "unacked_restore_interval": 1,
     "unacked_restore_throttle": 1,
     # kombu holds a mutex (default 300 s) while one worker sweeps: a worker SIGKILLed
@@ -84,3 +86,7 @@ CACHES = {
         "LOCATION": os.environ.get("EXPLICIT_TEST_CACHE_URL", "redis://127.0.0.1:6379/14"),
     }
 }
+
+# The start-up refusal's escape hatch, for the test that shows it (tests/integration/
+# test_startup_checks.py); off everywhere else.
+EXPLICIT_START_DESPITE_CHECK_ERRORS = os.environ.get("EXPLICIT_TEST_START_ANYWAY") == "1"
