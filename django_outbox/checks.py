@@ -74,7 +74,41 @@ def check_celery_configuration(
     errors += _check_serializers(app)
     errors += _check_visibility(app, tasks)
     errors += _check_broker_url(app, tasks)
+    errors += _check_unregistered(app)
     return errors
+
+
+def _check_unregistered(app: Any) -> list[checks.CheckMessage]:
+    """A class-based task nobody passed to ``app.register_task()`` does not exist for
+    Celery: no worker runs it, and no other check here ever sees it. Looked for among
+    the ExplicitTask classes of the installed Django apps (decorator tasks register
+    themselves; abstract bases are not tasks)."""
+    from django.apps import apps
+
+    from celery_explicit.task import ExplicitTask
+
+    registered = {type(task) for task in app.tasks.values()}
+    installed = [config.name for config in apps.get_app_configs()]
+    found: list[checks.CheckMessage] = []
+    pending = list(ExplicitTask.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if cls in registered or "contract" not in cls.__dict__ or cls.__dict__.get("_decorated"):
+            continue
+        module = cls.__module__
+        if not any(module == name or module.startswith(name + ".") for name in installed):
+            continue
+        found.append(
+            checks.Warning(
+                f"ExplicitTask {module}.{cls.__qualname__} ({cls.contract.task_name}) is not "
+                f"registered with Celery app {app.main!r}: no worker runs it",
+                hint=f"Add app.register_task({cls.__qualname__}()) after the class.",
+                obj=cls.contract.task_name,
+                id="django_outbox.W004",
+            )
+        )
+    return found
 
 
 def _check_broker_url(app: Any, tasks: list[Any]) -> list[checks.CheckMessage]:

@@ -129,3 +129,38 @@ def test_outbox_settings_the_relay_cannot_run_with_are_errors() -> None:
     with override_settings(EXPLICIT_OUTBOX_BACKOFF_BASE=10, EXPLICIT_OUTBOX_BACKOFF_CAP=1):
         (cap,) = checks.check_outbox_settings()
     assert "is shorter than EXPLICIT_OUTBOX_BACKOFF_BASE" in cap.msg
+
+
+def test_a_task_class_no_app_registered_is_a_warning() -> None:
+    """A class-based task in an installed app that nobody registered does not exist for
+    Celery; the check names it, and says nothing of the registered ones."""
+    import gc
+
+    from celery_explicit import ExplicitTask
+
+    def run(self: Any, item: str) -> None:
+        return None
+
+    forgotten = type(
+        "Forgotten",
+        (ExplicitTask,),
+        {
+            "__module__": "tests.testapp.tasks",
+            "name": "tests.forgotten",
+            "idempotency_key": "forgotten:{item}",
+            "visibility_timeout": 10,
+            "expected_duration": 1,
+            "retry_on": (),
+            "fail_on": (),
+            "run": run,
+        },
+    )
+    try:
+        found = [m for m in checks.check_celery_configuration() if m.id == "django_outbox.W004"]
+        assert [m.obj for m in found] == ["tests.forgotten"]
+        assert "app.register_task(Forgotten())" in found[0].hint
+    finally:
+        del forgotten
+        gc.collect()
+    found = [m for m in checks.check_celery_configuration() if m.id == "django_outbox.W004"]
+    assert found == []
