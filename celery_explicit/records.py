@@ -171,6 +171,7 @@ def dead_letter(
         attempts=int(getattr(exc, "deliveries", 0) or execution.attempt),
         correlation_id=idempotency.correlation_of(request),
         queue=str(delivery(request, "routing_key") or ""),
+        exchange=str(delivery(request, "exchange") or ""),
     )
     metrics.dead_letters.labels(execution.task_name, reason.value).inc()
     attempt(execution, request, Outcome[name], exc=exc)

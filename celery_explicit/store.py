@@ -72,8 +72,10 @@ class Store(Protocol):
         attempts: int,
         correlation_id: str,
         queue: str,
+        exchange: str,
     ) -> None:
-        """Keep the message as evidence; raises a database error if it could not."""
+        """Keep the message as evidence (``queue`` is the routing key it came with);
+        raises a database error if it could not."""
 
     def record_takeover(self, task_id: str, key: str, fence: int, previous: str) -> None:
         """Announce fence ``fence`` of job ``task_id``: an older holder's commit is refused."""

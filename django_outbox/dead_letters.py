@@ -35,6 +35,7 @@ def record(
     attempts: int = 1,
     correlation_id: str = "",
     queue: str = "",
+    exchange: str = "",
 ) -> DeadLetter:
     """Insert or update the dead letter of ``task_id``.
 
@@ -64,6 +65,7 @@ def record(
         last_attempt=now,
         correlation_id=text(correlation_id)[:255],
         queue=text(queue)[:255],
+        exchange=text(exchange)[:255],
     )
     # A redelivered message that fails again updates its letter but does not reopen
     # one an operator already replayed or discarded (that would allow a second replay).
@@ -101,13 +103,21 @@ def replay(letter: DeadLetter, *, by: str) -> str:
         # Published before the status change commits: a publish that fails leaves the
         # letter open (and replayable); a commit that fails after a publish leaves a
         # duplicate message, which the effect ledger absorbs.
+        # Back to where it came from: the exchange and routing key it was delivered
+        # with (a routing key is a queue's name only on the default routes). Letters
+        # recorded before the exchange was kept go to the queue named like the key.
+        where: dict[str, Any] = (
+            {"exchange": letter.exchange, "routing_key": letter.queue}
+            if letter.exchange
+            else {"queue": letter.queue or None}
+        )
         app.send_task(
             letter.task_name,
             args=letter.args,
             kwargs=letter.kwargs,
             task_id=new_id,
             headers=headers,
-            queue=letter.queue or None,
+            **where,
         )
     letter.refresh_from_db()
     return new_id

@@ -183,6 +183,13 @@ class DeadLetter(models.Model):
         default="",
         help_text="routing key it was consumed from; replays go back there",
     )
+    exchange = models.CharField(
+        max_length=255,
+        blank=True,
+        default="",
+        db_default="",
+        help_text="exchange it was delivered through; replays are published there",
+    )
     status = models.CharField(
         max_length=16, choices=DeadLetterStatus.choices, default=DeadLetterStatus.OPEN
     )

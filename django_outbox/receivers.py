@@ -69,6 +69,7 @@ def _record(
             error_message=error_message,
             correlation_id=str(headers.get(CORRELATION_HEADER) or ""),
             queue=str((getattr(message, "delivery_info", None) or {}).get("routing_key") or ""),
+            exchange=str((getattr(message, "delivery_info", None) or {}).get("exchange") or ""),
         )
     except DatabaseError:
         # Celery has already rejected (or is about to ack) the message; the log line is

@@ -6,6 +6,8 @@ A letter an operator resolved stays resolved when the message fails again; NUL b
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from django.utils import timezone
 
@@ -50,3 +52,65 @@ def test_permanent_failure_with_nul_in_arguments_is_dead_lettered(start_worker, 
     letter = wait_for(lambda: DeadLetter.objects.first(), what="the dead letter")
     assert letter.reason == DeadLetterReason.PERMANENT
     assert letter.attempts == 1
+
+
+def test_a_replay_goes_back_through_the_exchange_and_routing_key_it_came_with(
+    redis_client,
+) -> None:
+    """A routing key is a queue's name only on Celery's default routes: a message that
+    came through an exchange of its own is replayed through that exchange and key (it
+    was replayed to a queue named like the routing key, which nobody consumes)."""
+    from django.conf import settings as django_settings
+    from django.utils import timezone
+    from kombu import Connection, Exchange, Queue
+
+    from django_outbox import dead_letters
+    from django_outbox.models import DeadLetter, DeadLetterReason
+
+    suffix = uuid.uuid4().hex[:8]
+    exchange = Exchange(f"explicit-test-ex-{suffix}", type="direct")
+    routing_key = f"shop.orders.{suffix}"
+    queue_name = f"explicit-test-orders-{suffix}"
+    with Connection(django_settings.REDIS_URL) as conn:
+        queue = Queue(queue_name, exchange, routing_key=routing_key, channel=conn.default_channel)
+        queue.declare()
+        now = timezone.now()
+        letter = DeadLetter.objects.create(
+            task_id=f"t-{suffix}",
+            task_name="tests.increment",
+            kwargs={"name": "x", "op_id": "1"},
+            idempotency_key="counter:x:op:1",
+            reason=DeadLetterReason.PERMANENT,
+            first_seen=now,
+            last_attempt=now,
+            queue=routing_key,
+            exchange=exchange.name,
+        )
+        new_id = dead_letters.replay(letter, by="test")
+        message = queue.get(no_ack=True)
+        try:
+            assert message is not None, "the replay did not reach the queue it came from"
+            assert message.headers["id"] == new_id
+            assert message.headers["replay_of"] == letter.pk
+            assert redis_client.llen(routing_key) == 0  # not to a queue named like the key
+        finally:
+            queue.delete()
+            redis_client.delete(routing_key)
+
+
+@pytest.mark.worker
+@pytest.mark.django_db(transaction=True)
+def test_a_real_letter_is_replayed_to_where_it_came_from(start_worker, queue) -> None:
+    """End to end on Celery's default routes (published to the default exchange, the
+    queue's name as routing key): the replay reaches the same worker's queue again."""
+    from django_outbox.models import Attempt, DeadLetter, Outcome
+    from tests.support.waiting import wait_for
+    from tests.testapp.tasks import Declined
+
+    start_worker()
+    Declined().apply_async(args=[7], queue=queue)
+    wait_for(lambda: Attempt.objects.filter(outcome=Outcome.FAILED_PERMANENT).exists())
+    letter = DeadLetter.objects.get()
+    assert letter.queue == queue  # the routing key it was delivered with
+    dead_letters.replay(letter, by="test")
+    wait_for(lambda: Attempt.objects.filter(replay_of=letter.pk).exists(), timeout=30)
