@@ -17,7 +17,6 @@ from django_outbox.conf import settings
 from django_outbox.models import (
     Attempt,
     DeadLetter,
-    DeadLetterStatus,
     Fence,
     OutboxEvent,
     OutboxStatus,
@@ -148,24 +147,28 @@ class DeadLetterAdmin(ReadOnlyAdmin):
     @admin.action(permissions=["replay"], description="Replay (same idempotency key)")
     def replay(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> None:
         done = 0
-        for letter in queryset.filter(status=DeadLetterStatus.OPEN):
+        for letter in queryset:
+            # A letter that is not open, or a conflict, is refused with its reason (one
+            # warning each): "Replayed 0" alone would not say why.
             try:
-                dead_letters.replay(letter, by=request.user.get_username())
+                new_id = dead_letters.replay(letter, by=request.user.get_username())
             except ValueError as exc:
                 self.message_user(request, str(exc), messages.WARNING)
                 continue
+            self.log_change(request, letter, f"Replayed as task {new_id}.")
             done += 1
         self.message_user(request, f"Replayed {done} dead letter(s).", messages.SUCCESS)
 
     @admin.action(permissions=["discard"], description="Discard (keep as evidence)")
     def discard(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> None:
         done = 0
-        for letter in queryset.filter(status=DeadLetterStatus.OPEN):
+        for letter in queryset:
             try:
                 dead_letters.discard(letter, by=request.user.get_username())
             except ValueError as exc:
                 self.message_user(request, str(exc), messages.WARNING)
                 continue
+            self.log_change(request, letter, "Discarded (kept as evidence).")
             done += 1
         self.message_user(request, f"Discarded {done} dead letter(s).", messages.SUCCESS)
 

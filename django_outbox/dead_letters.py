@@ -92,6 +92,16 @@ def replay(letter: DeadLetter, *, by: str) -> str:
                 f"dead letter {letter.pk} ({letter.task_name}) is "
                 f"{locked.status}, not open: not replayed"
             )
+        if locked.reason == DeadLetterReason.CONFLICT:
+            # Its key's effect was applied with other arguments: the replay would meet
+            # the same ledger row and fail the same way.
+            raise ValueError(
+                f"dead letter {letter.pk} ({letter.task_name}) is a conflict: key "
+                f"{locked.idempotency_key!r} was already applied with other arguments "
+                f"(these: args={locked.args!r} kwargs={locked.kwargs!r}), so a replay can "
+                "only fail again: not replayed. Discard it, or publish the change as a "
+                "new operation with its own key"
+            )
         locked.status = DeadLetterStatus.REPLAYED
         locked.replayed_task_id = new_id
         locked.resolved_at = timezone.now()

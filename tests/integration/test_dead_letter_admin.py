@@ -109,3 +109,32 @@ def test_replay_republishes_with_the_same_key_and_links_the_attempt(start_worker
     # A second replay of the same letter is refused: it is no longer open.
     act(client, "replay", d)
     assert Attempt.objects.count() == 1
+
+
+def test_replay_and_discard_are_written_to_the_admin_history(redis_client, queue) -> None:
+    from django.contrib.admin.models import LogEntry
+
+    replayed, discarded = letter(queue=queue), letter()
+    act(staff("replay_deadletter"), "replay", replayed)
+    act(staff("discard_deadletter"), "discard", discarded)
+    replayed.refresh_from_db()
+    entries = {e.object_id: e for e in LogEntry.objects.all()}
+    assert (
+        f"Replayed as task {replayed.replayed_task_id}" in entries[str(replayed.pk)].change_message
+    )
+    assert entries[str(replayed.pk)].user.username == "op-replay_deadletter"
+    assert "Discarded" in entries[str(discarded.pk)].change_message
+    redis_client.delete(queue)
+
+
+def test_a_refused_replay_says_why(redis_client, queue) -> None:
+    conflict = letter(queue=queue, reason=DeadLetterReason.CONFLICT)
+    closed = letter(queue=queue, status=DeadLetterStatus.DISCARDED)
+    response = act(staff("replay_deadletter"), "replay", conflict, closed)
+    page = response.content.decode()
+    assert "is a conflict" in page and "can only fail again" in page
+    assert "is discarded, not open: not replayed" in page
+    assert "Replayed 0 dead letter(s)." in page
+    conflict.refresh_from_db()
+    assert conflict.status == DeadLetterStatus.OPEN  # refused: still open for a discard
+    assert redis_client.llen(queue) == 0
