@@ -10,9 +10,11 @@ from django.db.models import Exists, OuterRef, QuerySet
 from django.db.models.functions import Now
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
 from django.utils import timezone
+from django.utils.html import format_html
 
-from django_outbox import dead_letters
+from django_outbox import admin_job, dead_letters
 from django_outbox.conf import settings
 from django_outbox.models import (
     Attempt,
@@ -46,7 +48,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 @admin.register(ProcessedOperation)
 class ProcessedOperationAdmin(ReadOnlyAdmin):
-    list_display = ("key", "task_name", "processed", "result_ref", "task_id")
+    list_display = ("key", "task_name", "processed", "result_ref", "task_id", "job")
     # Substring search: an order number finds every key it is part of.
     search_fields = ("key", "task_id", "result_ref")
     list_filter = ("task_name",)
@@ -55,6 +57,10 @@ class ProcessedOperationAdmin(ReadOnlyAdmin):
     @admin.display(description="processed at", ordering="processed_at")
     def processed(self, obj: ProcessedOperation) -> str:
         return _ms(obj.processed_at)
+
+    @admin.display(description="explain")
+    def job(self, obj: ProcessedOperation) -> str:
+        return admin_job.job_link(obj.key)
 
 
 @admin.register(Fence)
@@ -84,10 +90,31 @@ class AttemptAdmin(ReadOnlyAdmin):
         "duration",
         "error_class",
         "worker",
+        "job",
     )
     list_filter = ("outcome", "task_name", "redelivered")
     search_fields = ("idempotency_key", "task_id", "=correlation_id", "=external_request_id")
     date_hierarchy = "started_at"
+
+    def get_urls(self) -> list[URLPattern]:
+        job = path(
+            "job/",
+            self.admin_site.admin_view(self.job_view),
+            name="django_outbox_job",
+        )
+        return [job, *super().get_urls()]
+
+    def job_view(self, request: HttpRequest) -> TemplateResponse:
+        """The job page: explain's timeline and verdict (``admin_job``)."""
+        if not self.has_view_permission(request):
+            from django.core.exceptions import PermissionDenied
+
+            raise PermissionDenied
+        return admin_job.job_view(self, request)
+
+    @admin.display(description="explain")
+    def job(self, obj: Attempt) -> str:
+        return admin_job.job_link(obj.idempotency_key or obj.task_id)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Attempt]:
         # An earlier row with the same task id and attempt number: this one is a second
@@ -132,11 +159,34 @@ class DeadLetterAdmin(ReadOnlyAdmin):
         "idempotency_key",
         "error_class",
         "attempts",
+        "job",
     )
     list_filter = ("status", "reason", "task_name")
     search_fields = ("idempotency_key", "task_id", "=correlation_id")
     date_hierarchy = "last_attempt"
     actions = ("replay", "discard")
+    readonly_fields = ("effect_happened",)
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[Any]:
+        # "Did the effect happen?" first: the question a dead letter is opened for.
+        fields = [f for f in super().get_fields(request, obj) if f != "effect_happened"]
+        return ["effect_happened", *fields]
+
+    @admin.display(description="did the effect happen?")
+    def effect_happened(self, obj: DeadLetter) -> str:
+        applied = ProcessedOperation.objects.filter(key=obj.idempotency_key).first()
+        answer = (
+            f"Yes: applied at {_ms(applied.processed_at)} by task {applied.task_id}."
+            if obj.idempotency_key and applied is not None
+            else "No: no ledger row for its key."
+        )
+        return format_html(
+            "{} {}", answer, admin_job.job_link(obj.idempotency_key or obj.task_id, "Explain.")
+        )
+
+    @admin.display(description="explain")
+    def job(self, obj: DeadLetter) -> str:
+        return admin_job.job_link(obj.idempotency_key or obj.task_id)
 
     def has_replay_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm("django_outbox.replay_deadletter"))

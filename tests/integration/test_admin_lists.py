@@ -85,3 +85,78 @@ def test_fence_rows_are_listed_and_read_only(admin_browser: Client) -> None:
     change = admin_browser.post(f"/admin/django_outbox/fence/{job}/change/", {"token": 1})
     assert change.status_code in (302, 403)
     assert Fence.objects.get(task_id=job).token == 7  # evidence is not edited
+
+
+def test_the_job_page_shows_the_verdict_and_links_every_row(admin_browser: Client) -> None:
+    from django_outbox.models import ProcessedOperation
+
+    start = timezone.now()
+    job = str(uuid.uuid4())
+    first = attempt(
+        job,
+        "order:5005:ship",
+        start,
+        outcome=Outcome.RETRY_SCHEDULED,
+        error_class="shop.GatewayTimeout",
+        retry_delay=1.5,
+    )
+    attempt(job, "order:5005:ship", start + dt.timedelta(seconds=2), attempt=2)
+    ProcessedOperation.objects.create(
+        key="order:5005:ship",
+        task_name="shop.ship_order",
+        task_id=job,
+        fingerprint="f",
+        processed_at=start,
+    )
+    page = admin_browser.get("/admin/django_outbox/attempt/job/", {"q": "5005"})
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "Verdict:" in html and "effect applied once" in html
+    assert "1 retry after GatewayTimeout" in html
+    assert f"/admin/django_outbox/attempt/{first.pk}/change/" in html
+    assert "/admin/django_outbox/processedoperation/" in html
+    # Reachable from the attempt list.
+    assert (
+        "/admin/django_outbox/attempt/job/?q=order%3A5005%3Aship"
+        in admin_browser.get(ATTEMPTS).content.decode()
+    )
+    unknown = admin_browser.get("/admin/django_outbox/attempt/job/", {"q": "no-such-job"})
+    assert unknown.status_code == 200 and "nothing recorded for" in unknown.content.decode()
+
+
+def test_the_job_page_needs_the_view_permission() -> None:
+    user = User.objects.create_user(f"staff-{uuid.uuid4().hex[:6]}", password="pw", is_staff=True)
+    client = Client()
+    client.force_login(user)
+    assert client.get("/admin/django_outbox/attempt/job/", {"q": "x"}).status_code == 403
+
+
+def test_a_dead_letter_says_first_whether_its_effect_happened(admin_browser: Client) -> None:
+    from django_outbox.models import DeadLetter, DeadLetterReason, ProcessedOperation
+
+    now = timezone.now()
+
+    def letter(key: str) -> DeadLetter:
+        return DeadLetter.objects.create(
+            task_id=str(uuid.uuid4()),
+            task_name="shop.ship_order",
+            idempotency_key=key,
+            reason=DeadLetterReason.CONFLICT,
+            first_seen=now,
+            last_attempt=now,
+        )
+
+    applied, missing = letter("order:6006:ship"), letter("order:7007:ship")
+    ProcessedOperation.objects.create(
+        key="order:6006:ship",
+        task_name="shop.ship_order",
+        task_id="t-6006",
+        fingerprint="f",
+        processed_at=now,
+    )
+    html = admin_browser.get(f"/admin/django_outbox/deadletter/{applied.pk}/change/")
+    text = html.content.decode()
+    assert "did the effect happen?" in text.lower() and "Yes: applied at" in text
+    assert text.index("field-effect_happened") < text.index("field-task_name")  # at the top
+    other = admin_browser.get(f"/admin/django_outbox/deadletter/{missing.pk}/change/")
+    assert "No: no ledger row for its key." in other.content.decode()

@@ -1,0 +1,94 @@
+"""The job page: ``manage.py explain`` in the admin, with every row linked.
+
+``/admin/django_outbox/attempt/job/?q=<what>`` takes what ``explain`` takes (a key, a
+task id, a dead letter id, an outbox event id, a business id) and shows each matching
+job's verdict first, then its timeline; every event links to its row. Attempts, dead
+letters and ledger rows link here from their lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlencode
+
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+from django.urls import NoReverseMatch, reverse
+from django.utils.html import format_html
+
+from django_outbox import explain
+from django_outbox.models import Attempt, OutboxEvent, ProcessedOperation
+
+
+def job_url(what: str) -> str:
+    return reverse("admin:django_outbox_job") + "?" + urlencode({"q": what})
+
+
+def job_link(what: str, label: str = "job") -> str:
+    """A link to the job page of ``what`` (for a list column)."""
+    if not what:
+        return "-"
+    return format_html('<a href="{}">{}</a>', job_url(what), label)
+
+
+def job_view(model_admin: Any, request: HttpRequest) -> TemplateResponse:
+    query = (request.GET.get("q") or "").strip()
+    found: list[dict[str, Any]] = []
+    error = ""
+    if query:
+        try:
+            found = [_page(e) for e in explain.explain(query)]
+        except explain.ExplainError as exc:
+            error = str(exc)
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "title": f"Job: {query}" if query else "Explain a job",
+        "query": query,
+        "jobs": found,
+        "error": error,
+        "opts": model_admin.model._meta,
+    }
+    return TemplateResponse(request, "admin/django_outbox/job.html", context)
+
+
+def _page(found: explain.Explanation) -> dict[str, Any]:
+    return {
+        "key": found.key,
+        "task_ids": found.task_ids,
+        "verdict": found.verdict,
+        "events": [
+            {"at": explain.stamp(e.at), "kind": e.kind, "text": e.text, "url": _row_url(e)}
+            for e in found.events
+        ],
+    }
+
+
+def _row_url(event: explain.Event) -> str:
+    """The admin page of the row an event came from, where there is one."""
+    data = event.data
+    try:
+        if event.kind == "dead_letter":
+            return reverse("admin:django_outbox_deadletter_change", args=[data["dead_letter"]])
+        if event.kind == "effect":
+            row = ProcessedOperation.objects.filter(task_id=data["task_id"]).first()
+            if row is None:
+                return ""
+            return reverse("admin:django_outbox_processedoperation_change", args=[row.pk])
+        if event.kind == "attempt":
+            attempt = Attempt.objects.filter(
+                task_id=data["task_id"], attempt=data["attempt"]
+            ).first()
+            if attempt is None:
+                return ""
+            return reverse("admin:django_outbox_attempt_change", args=[attempt.pk])
+        if event.kind in ("outbox", "published"):
+            rows = OutboxEvent.objects.filter(event_id=data["event_id"])
+            row_id = rows.values_list("pk", flat=True).first()
+            if row_id is None:
+                return ""
+            return reverse("admin:django_outbox_outboxevent_change", args=[row_id])
+        if event.kind == "takeover":
+            return reverse("admin:django_outbox_fence_change", args=[data["task_id"]])
+    except NoReverseMatch:
+        return ""
+    return ""
