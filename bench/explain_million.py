@@ -4,7 +4,8 @@ Fills its own database (``EXPLICIT_BENCH_DB``, default ``explicit_bench_explain`
 ``--jobs`` jobs of three attempts each (a retry, then applied; every 50th also
 dead-lettered), a ledger row per applied job, in SQL (``generate_series``), once; then
 times ``explain.explain`` by idempotency key, task id, dead letter id and business id,
-``--repeat`` times each, and prints the median and the worst.
+``--repeat`` times each, and the dashboard's queries per window, and prints the median
+and the worst.
 
     scripts/bench explain_million.py [--jobs 340000] [--repeat 20]
 """
@@ -89,6 +90,27 @@ def main() -> None:
         print(
             f"explain by {label:<26} median {statistics.median(times):8.1f} ms   "
             f"worst {max(times):8.1f} ms   (n={args.repeat})"
+        )
+    # The dashboard's database part on the same rows (its live part reads Redis and the
+    # broker): attempts by outcome, dead-letter inflow and the outbox, per window.
+    from django.utils import timezone
+
+    from django_outbox import dashboard
+
+    for hours, minutes in dashboard.WINDOWS.items():
+        times = []
+        for _ in range(max(3, args.repeat // 4)):
+            started = time.perf_counter()
+            now = timezone.now()
+            since = now - timezone.timedelta(hours=hours)
+            buckets = dashboard._buckets(since, now, minutes)
+            dashboard._attempt_series(since, buckets, minutes)
+            dashboard._dead_letter_series(since, buckets, minutes)
+            dashboard._outbox(now, since)
+            times.append((time.perf_counter() - started) * 1000)
+        print(
+            f"dashboard, last {hours:>2} h{'':<18} median {statistics.median(times):8.1f} ms   "
+            f"worst {max(times):8.1f} ms"
         )
 
 

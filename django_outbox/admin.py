@@ -14,10 +14,11 @@ from django.urls import URLPattern, path
 from django.utils import timezone
 from django.utils.html import format_html
 
-from django_outbox import admin_job, dead_letters
+from django_outbox import admin_job, dashboard, dead_letters
 from django_outbox.conf import settings
 from django_outbox.models import (
     Attempt,
+    Dashboard,
     DeadLetter,
     Fence,
     OutboxEvent,
@@ -289,3 +290,22 @@ def _age(seconds: float) -> str:
     if seconds < 172800:
         return f"{seconds / 3600:.1f}h"
     return f"{seconds / 86400:.1f}d"
+
+
+@admin.register(Dashboard)
+class DashboardAdmin(ReadOnlyAdmin):
+    """The dashboard, in the admin index's list (``django_outbox.dashboard``)."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.has_perm("django_outbox.view_attempt")) or bool(
+            super().has_view_permission(request, obj)
+        )
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> TemplateResponse:
+        if not self.has_view_permission(request):
+            from django.core.exceptions import PermissionDenied
+
+            raise PermissionDenied
+        return dashboard.dashboard_view(self, request)

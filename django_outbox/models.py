@@ -158,6 +158,16 @@ class Attempt(models.Model):
         return f"{self.task_name}[{self.task_id}] #{self.attempt}: {self.outcome}"
 
 
+class Dashboard(Attempt):
+    """No table of its own: the admin index's entry for the dashboard
+    (``django_outbox.dashboard``), readable by whoever may read the attempts."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "dashboard"
+        verbose_name_plural = "dashboard"
+
+
 class DeadLetter(models.Model):
     """A message that will not run again by itself. Evidence: read-only in the admin."""
 

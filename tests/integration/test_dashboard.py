@@ -1,0 +1,83 @@
+"""The dashboard: one staff page from the admin index; empty state on an empty
+database; per-bucket plots drawn as SVG on the server; live figures from Redis and the
+broker; the outbox's backlog."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.utils import timezone
+
+from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, OutboxEvent, Outcome
+
+pytestmark = pytest.mark.django_db
+
+URL = "/admin/django_outbox/dashboard/"
+
+
+@pytest.fixture
+def staff() -> Client:
+    user = User.objects.create_superuser(f"oncall-{uuid.uuid4().hex[:6]}", password="pw")
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_linked_from_the_admin_index_and_empty_without_data(staff: Client) -> None:
+    assert URL in staff.get("/admin/").content.decode()
+    page = staff.get(URL)
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "No attempts in the last 1 h." in html
+    assert "No dead letters in the last 1 h." in html
+    assert '<strong id="outbox-backlog">0</strong>' in html
+    assert "<script" not in html.split('id="content-main"')[1]  # plots need no script
+
+
+def test_plots_count_attempts_dead_letters_and_the_backlog(staff: Client) -> None:
+    now = timezone.now()
+    for i, outcome in enumerate(
+        [Outcome.APPLIED, Outcome.APPLIED, Outcome.RETRY_SCHEDULED, Outcome.FENCED]
+    ):
+        Attempt.objects.create(
+            task_id=str(uuid.uuid4()),
+            task_name="t",
+            idempotency_key=f"k{i}",
+            attempt=1,
+            started_at=now - dt.timedelta(minutes=i),
+            finished_at=now,
+            duration_ms=1.0,
+            outcome=outcome,
+        )
+    DeadLetter.objects.create(
+        task_id="d1",
+        task_name="t",
+        reason=DeadLetterReason.PERMANENT,
+        first_seen=now,
+        last_attempt=now,
+    )
+    OutboxEvent.objects.create(task_name="t")
+    html = staff.get(URL, {"hours": "6"}).content.decode()
+    assert "<strong>6 h</strong>" in html
+    rows = {
+        row.split("</th>")[0].rsplit(">", 1)[1]: row
+        for row in html.split('<tr class="series">')[1:]
+    }
+    assert "<td>2</td>" in rows[str(Outcome.APPLIED.label)]
+    assert "<td>1</td>" in rows[str(Outcome.RETRY_SCHEDULED.label)]
+    assert "<td>1</td>" in rows[str(Outcome.FENCED.label)]
+    assert "<td>1</td>" in rows["permanent"]
+    assert html.count('<svg class="bars"') == 4
+    assert '<strong id="outbox-backlog">1</strong>' in html
+    assert "could not be read" not in html  # Redis and the broker answered
+
+
+def test_a_staff_member_without_the_attempts_permission_is_refused() -> None:
+    user = User.objects.create_user(f"staff-{uuid.uuid4().hex[:6]}", password="pw", is_staff=True)
+    client = Client()
+    client.force_login(user)
+    assert client.get(URL).status_code == 403
