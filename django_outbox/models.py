@@ -83,6 +83,7 @@ class Fence(models.Model):
     class Meta:
         db_table = "django_outbox_fence"
         verbose_name = "fence (lease takeover)"
+        verbose_name_plural = "fences (lease takeovers)"
 
     def __str__(self) -> str:
         return f"{self.task_id} >= {self.token}"

@@ -59,3 +59,11 @@ ensure_database() {  # the database the test settings name; pytest-django makes 
         createdb -h 127.0.0.1 -U "${PGUSER:-postgres}" "$name"
     fi
 }
+
+ensure_chromium() {  # the browser tests drive Debian's chromium through Playwright
+    if command -v chromium >/dev/null 2>&1; then return 0; fi
+    echo "installing chromium (Debian package) for the browser tests" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+        || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; } \
+        || { echo "could not install chromium" >&2; return 1; }
+}

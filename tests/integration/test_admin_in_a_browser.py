@@ -1,0 +1,135 @@
+"""The on-call pages in a real headless browser: Debian's chromium driven by Playwright.
+
+Logs in, opens the dashboard, a job page and the dead letter list, and replays a letter
+through the admin action. Fails on any server error, a missing element or a plot that
+did not render. Screenshots go to ``.screenshots/`` at the top of the checkout (the test
+prints the folder)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from django_outbox.models import (
+    Attempt,
+    DeadLetter,
+    DeadLetterReason,
+    DeadLetterStatus,
+    Outcome,
+    ProcessedOperation,
+)
+from tests.support.processes import ROOT
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHROMIUM = "/usr/bin/chromium"
+# What the workplace's probe starts Chromium with: no sandbox as root, and nothing that
+# reaches for the network on its own.
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture
+def history(redis_client: Any, queue: str) -> dict[str, Any]:
+    """A job that retried then applied, and an open dead letter, made before the browser
+    starts (Playwright's loop would make the ORM refuse to run in this thread)."""
+    password = uuid.uuid4().hex
+    user = User.objects.create_superuser(f"oncall-{uuid.uuid4().hex[:6]}", password=password)
+    start = timezone.now()
+    job = str(uuid.uuid4())
+    key = f"order:{uuid.uuid4().int % 10**6}:ship"
+    for number, outcome in ((1, Outcome.RETRY_SCHEDULED), (2, Outcome.APPLIED)):
+        Attempt.objects.create(
+            task_id=job,
+            task_name="tests.increment",
+            idempotency_key=key,
+            attempt=number,
+            worker_host="worker-1",
+            worker_pid=800 + number,
+            started_at=start + dt.timedelta(seconds=number),
+            finished_at=start + dt.timedelta(seconds=number, milliseconds=25),
+            duration_ms=25.0,
+            outcome=outcome,
+            error_class="shop.GatewayTimeout" if number == 1 else "",
+            retry_delay=1.0 if number == 1 else None,
+        )
+    ProcessedOperation.objects.create(
+        key=key, task_name="tests.increment", task_id=job, fingerprint="f", processed_at=start
+    )
+    letter = DeadLetter.objects.create(
+        task_id=str(uuid.uuid4()),
+        task_name="tests.increment",
+        kwargs={"name": "browser", "op_id": "1"},
+        idempotency_key="counter:browser:op:1",
+        reason=DeadLetterReason.PERMANENT,
+        error_class="builtins.ValueError",
+        error_message="boom",
+        first_seen=start,
+        last_attempt=start,
+        queue=queue,
+    )
+    yield {"user": user.username, "password": password, "key": key, "letter": letter}
+    redis_client.delete(queue)
+
+
+def test_dashboard_job_page_and_replay_in_chromium(
+    live_server: Any, history: dict[str, Any], request: pytest.FixtureRequest
+) -> None:
+    from playwright.sync_api import sync_playwright
+
+    shots = Path(ROOT) / ".screenshots" / request.node.name
+    shots.mkdir(parents=True, exist_ok=True)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"screenshots: {shots}")
+    server_errors: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.on(
+            "response",
+            lambda r: server_errors.append(f"{r.status} {r.url}") if r.status >= 500 else None,
+        )
+        page.goto(f"{live_server.url}/admin/login/")
+        page.fill("#id_username", history["user"])
+        page.fill("#id_password", history["password"])
+        page.click("input[type=submit]")
+        page.wait_for_selector("#content-main")
+
+        page.click("text=Dashboard")
+        page.wait_for_selector("#outbox-backlog")
+        assert page.locator("svg.bars").count() >= 2  # attempts by outcome: plots drawn
+        assert page.locator("svg.bars rect").count() > 0
+        page.screenshot(path=str(shots / "dashboard.png"), full_page=True)
+
+        page.goto(f"{live_server.url}/admin/django_outbox/attempt/job/?q={history['key']}")
+        verdict = page.locator("p.verdict").inner_text()
+        assert "effect applied once" in verdict and "1 retry after GatewayTimeout" in verdict
+        assert page.locator("table.timeline tbody tr").count() >= 3
+        page.screenshot(path=str(shots / "job.png"), full_page=True)
+
+        page.goto(f"{live_server.url}/admin/django_outbox/deadletter/")
+        page.check(f"input[name=_selected_action][value='{history['letter'].pk}']")
+        page.select_option("select[name=action]", "replay")
+        page.click("button[name=index]")
+        page.wait_for_selector("ul.messagelist")
+        assert "Replayed 1 dead letter(s)." in page.locator("ul.messagelist").inner_text()
+        page.screenshot(path=str(shots / "dead-letters.png"), full_page=True)
+        browser.close()
+    assert server_errors == []
+    history["letter"].refresh_from_db()
+    assert history["letter"].status == DeadLetterStatus.REPLAYED
+    assert (shots / "dashboard.png").stat().st_size > 0
