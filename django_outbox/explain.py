@@ -4,10 +4,8 @@
 entities, did the effect happen, why was the job repeated) from the rows the job path
 left: attempts, the ledger row, fences, dead letters and outbox rows. ``<what>`` is an
 idempotency key, a task id, a dead letter id, an outbox event id, or a business id
-found as one ``:``-separated part of keys (``1003`` finds ``order:1003:ship``).
-
-Each match is one idempotency key: its timeline (every event with a millisecond
-timestamp) and a verdict of one or two sentences.
+found as one ``:``-separated part of keys (``1003`` finds ``order:1003:ship``). Each
+match is one key: its timeline (millisecond timestamps) and a verdict.
 """
 
 from __future__ import annotations
@@ -159,11 +157,11 @@ def _explain_key(key: str) -> Explanation:
     db = settings.database
     attempts = list(Attempt.objects.using(db).filter(idempotency_key=key).order_by("started_at"))
     ledger = ProcessedOperation.objects.using(db).filter(key=key).first()
-    task_ids = _ordered({a.task_id for a in attempts} | ({ledger.task_id} if ledger else set()))
+    task_ids = sorted({a.task_id for a in attempts} | ({ledger.task_id} if ledger else set()))
     letters = list(
         DeadLetter.objects.using(db).filter(Q(idempotency_key=key) | Q(task_id__in=task_ids))
     )
-    task_ids = _ordered(set(task_ids) | {letter.task_id for letter in letters})
+    task_ids = sorted(set(task_ids) | {letter.task_id for letter in letters})
     return _explanation(key, task_ids, attempts, ledger, letters)
 
 
@@ -172,10 +170,6 @@ def _explain_task(task_id: str) -> Explanation:
     attempts = list(Attempt.objects.using(db).filter(task_id=task_id).order_by("started_at"))
     letters = list(DeadLetter.objects.using(db).filter(task_id=task_id))
     return _explanation("", [task_id], attempts, None, letters)
-
-
-def _ordered(task_ids: set[str]) -> list[str]:
-    return sorted(task_ids)
 
 
 def _explanation(
@@ -200,7 +194,7 @@ def _explanation(
         else []
     )
     attempts = sorted([*attempts, *replays], key=lambda a: a.started_at)
-    all_tasks = _ordered(set(task_ids) | {a.task_id for a in attempts})
+    all_tasks = sorted(set(task_ids) | {a.task_id for a in attempts})
     fences = list(Fence.objects.using(db).filter(task_id__in=all_tasks))
     events = list(_outbox_events(all_tasks))
     events += [_attempt_event(a, attempts) for a in attempts]
@@ -215,7 +209,7 @@ def _explanation(
                 {"task_id": ledger.task_id, "result_ref": ledger.result_ref},
             )
         )
-    events += [_letter_event(letter) for letter in letters]
+    events += [_letter_event(letter, attempts, letters) for letter in letters]
     events.sort(key=lambda event: event.at)
     return Explanation(
         key=key,
@@ -305,8 +299,11 @@ def _fence_event(fence: Fence) -> Event:
     )
 
 
-def _letter_event(letter: DeadLetter) -> Event:
-    after = f"; replayed as task {letter.replayed_task_id}" if letter.replayed_task_id else ""
+def _letter_event(letter: DeadLetter, attempts: list[Attempt], letters: list[DeadLetter]) -> Event:
+    led_to = _replay_result(letter, attempts, letters)
+    after = (
+        f"; replayed as task {letter.replayed_task_id}{led_to}" if letter.replayed_task_id else ""
+    )
     return Event(
         letter.last_attempt,
         "dead_letter",
@@ -317,8 +314,18 @@ def _letter_event(letter: DeadLetter) -> Event:
             "reason": letter.reason,
             "status": letter.status,
             "replayed_task_id": letter.replayed_task_id,
+            "replay_led_to": led_to.removeprefix(", which "),
         },
     )
+
+
+def _replay_result(letter: DeadLetter, attempts: list[Attempt], letters: list[DeadLetter]) -> str:
+    """What a replay led to: its last attempt's outcome, or the letter it became."""
+    again = [d for d in letters if d.task_id == letter.replayed_task_id]
+    if again:
+        return f", which was dead-lettered again ({again[0].reason}, dead letter {again[0].pk})"
+    runs = [a for a in attempts if a.task_id == letter.replayed_task_id]
+    return f", which ended {runs[-1].outcome}" if runs else ", which has not run yet"
 
 
 def _verdict(
@@ -352,14 +359,9 @@ def _verdict(
         effect += f" yet: a retry is due at {stamp(due)}" if due else " yet: a retry is due"
     causes = []
     if ledger is not None and open_letters:
-        reasons = Counter(letter.reason for letter in open_letters)
-        causes.append(
-            "dead-lettered: "
-            + ", ".join(f"{n} {reason}" for reason, n in reasons.items())
-            + " (dead letter "
-            + ", ".join(str(letter.pk) for letter in open_letters)
-            + ")"
-        )
+        reasons = ", ".join(f"{n} {r}" for r, n in Counter(d.reason for d in open_letters).items())
+        ids = ", ".join(str(d.pk) for d in open_letters)
+        causes.append(f"dead-lettered: {reasons} (dead letter {ids})")
     retries = [a for a in attempts if a.outcome == Outcome.RETRY_SCHEDULED]
     if retries:
         errors = Counter(a.error_class.rsplit(".", 1)[-1] or "self.retry()" for a in retries)
@@ -371,9 +373,9 @@ def _verdict(
     if redelivered:
         causes.append(f"{redelivered} redeliver{'y' if redelivered == 1 else 'ies'} by the broker")
     if fences:
+        holders = ", ".join(f.taken_over_from for f in fences)
         causes.append(
-            f"{len(fences)} lease takeover{'s' if len(fences) > 1 else ''} "
-            f"(from {', '.join(f.taken_over_from for f in fences)})"
+            f"{len(fences)} lease takeover{'s' if len(fences) > 1 else ''} (from {holders})"
         )
     fenced = outcomes[Outcome.FENCED]
     if fenced:
@@ -385,11 +387,9 @@ def _verdict(
     last_of_task = {a.task_id: a for a in attempts}  # counts are carried, so the last
     for last in last_of_task.values():
         deferred.update(last.deferrals or {})
-    if deferred:
-        total = sum(deferred.values())
-        causes.append(
-            f"deferred {total} time{'s' if total > 1 else ''} ({_deferral_text(dict(deferred))})"
-        )
+    if total := sum(deferred.values()):
+        why = _deferral_text(dict(deferred))
+        causes.append(f"deferred {total} time{'s' if total > 1 else ''} ({why})")
     replays = sum(1 for a in attempts if a.replay_of is not None)
     if replays:
         causes.append(f"replayed from the dead letters ({replays} attempt(s))")

@@ -183,3 +183,51 @@ def test_the_publish_path_is_recorded(start_worker, start_relay, queue) -> None:
         row = Attempt.objects.get(idempotency_key=f"counter:{name}:op:1")
         assert row.published_via == path
         assert f"published {path.replace('_', ' ')}" in explain(f"counter:{name}:op:1")
+
+
+def test_a_replay_shows_what_it_led_to(db) -> None:
+    """A replayed letter says whether its replay applied or was dead-lettered again."""
+    from django.utils import timezone
+
+    from django_outbox.models import DeadLetterReason, DeadLetterStatus
+
+    now = timezone.now()
+    key = f"payment:{uuid.uuid4().int % 10**9}:capture"
+    first, replay = str(uuid.uuid4()), str(uuid.uuid4())
+
+    def letter(task_id: str, **kw: Any) -> DeadLetter:
+        return DeadLetter.objects.create(
+            task_id=task_id,
+            task_name="tests.declined",
+            idempotency_key=key,
+            reason=DeadLetterReason.PERMANENT,
+            error_class="builtins.ValueError",
+            first_seen=now,
+            last_attempt=now,
+            **kw,
+        )
+
+    def ran(task_id: str, outcome: str, **kw: Any) -> None:
+        Attempt.objects.create(
+            task_id=task_id,
+            task_name="tests.declined",
+            idempotency_key=key,
+            attempt=1,
+            started_at=now,
+            finished_at=now,
+            duration_ms=1.0,
+            outcome=outcome,
+            **kw,
+        )
+
+    original = letter(first, status=DeadLetterStatus.REPLAYED, replayed_task_id=replay)
+    ran(first, Outcome.FAILED_PERMANENT)
+    ran(replay, Outcome.FAILED_PERMANENT, replay_of=original.pk)
+    again = letter(replay)
+    text = explain(key)
+    assert f"which was dead-lettered again (permanent, dead letter {again.pk})" in text
+    again.delete()
+    Attempt.objects.filter(task_id=replay).update(outcome=Outcome.APPLIED)
+    events = explain_json(key)["matches"][0]["events"]
+    [event] = [e for e in events if e["kind"] == "dead_letter"]
+    assert event["data"]["replay_led_to"] == "ended applied"
