@@ -212,7 +212,8 @@ def acquire(task_id: str, *, ttl: float, client: Any | None = None) -> Taken | H
 def release(task_id: str, fence: int, *, client: Any | None = None) -> bool:
     """Give the lease back; False when it had already been taken over (logged)."""
     conn = client or redis_state.client()
-    keys = [lease_key(task_id), marker_key(task_id)]
+    head = redis_state.prefix()  # one settings read per job, not one per key
+    keys = [lease_key(task_id, prefix=head), marker_key(task_id, prefix=head)]
     released = bool(call(conn, RELEASE, keys, [fence]))
     if not released:
         logger.warning(
