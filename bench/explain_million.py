@@ -91,6 +91,25 @@ def main() -> None:
             f"explain by {label:<26} median {statistics.median(times):8.1f} ms   "
             f"worst {max(times):8.1f} ms   (n={args.repeat})"
         )
+    # The admin's search box on the attempt list: the same query Django builds from
+    # ``search_fields`` (substring of keys, whole task or correlation ids), first page.
+    from django.contrib.admin.sites import site
+    from django.test import RequestFactory
+
+    attempt_admin = site._registry[Attempt]
+    request = RequestFactory().get("/")
+    for label, term in (("business id", str(middle)), ("task id", f"job-{middle}")):
+        times = []
+        for _ in range(args.repeat):
+            started = time.perf_counter()
+            matched, _dups = attempt_admin.get_search_results(request, Attempt.objects.all(), term)
+            hits = list(matched.order_by("-started_at")[:100])
+            times.append((time.perf_counter() - started) * 1000)
+        assert any(h.idempotency_key == f"order:{middle}:ship" for h in hits), label
+        print(
+            f"admin search by {label:<19} median {statistics.median(times):8.1f} ms   "
+            f"worst {max(times):8.1f} ms   ({len(hits)} rows)"
+        )
     # The dashboard's database part on the same rows (its live part reads Redis and the
     # broker): attempts by outcome, dead-letter inflow and the outbox, per window.
     from django.utils import timezone

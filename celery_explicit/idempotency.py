@@ -36,6 +36,10 @@ DEFERRALS_HEADER = "explicit_deferrals"
 #: Message header on a deferral's re-publish of a delivery the broker had redelivered:
 #: the copy that finally runs is still that redelivery, and its attempt row says so.
 REDELIVERED_HEADER = "explicit_redelivered"
+#: Message header with the time it was put on the broker (Unix seconds): set on every
+#: publish, re-publishes included, so the age of a queue's oldest message and a job's
+#: wait in the queue can be read from the message itself.
+SENT_AT_HEADER = "explicit_sent_at"
 
 MAX_KEY_LENGTH = 255
 

@@ -18,6 +18,7 @@ handler, its error classified, one attempt row).
 from __future__ import annotations
 
 import inspect
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -149,6 +150,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 correlation = getattr(current_task.request, idempotency.CORRELATION_HEADER, None)
                 if correlation:
                     headers[idempotency.CORRELATION_HEADER] = correlation
+        headers[idempotency.SENT_AT_HEADER] = time.time()
         try:
             if order_key is not None:
                 taken_place = (order_key, ordering_mod.take_number(order_key))

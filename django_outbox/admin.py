@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.db import connections, transaction
 from django.db.models import Exists, OuterRef, QuerySet
 from django.db.models.functions import Now
@@ -20,6 +22,8 @@ from django_outbox.models import (
     Attempt,
     Dashboard,
     DeadLetter,
+    DeadLetterReason,
+    DeadLetterStatus,
     Fence,
     OutboxEvent,
     OutboxStatus,
@@ -51,7 +55,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 class ProcessedOperationAdmin(ReadOnlyAdmin):
     list_display = ("key", "task_name", "processed", "result_ref", "task_id", "job")
     # Substring search: an order number finds every key it is part of.
-    search_fields = ("key", "task_id", "result_ref")
+    search_fields = ("key", "task_id__exact")
     list_filter = ("task_name",)
     date_hierarchy = "processed_at"
 
@@ -94,7 +98,7 @@ class AttemptAdmin(ReadOnlyAdmin):
         "job",
     )
     list_filter = ("outcome", "task_name", "redelivered")
-    search_fields = ("idempotency_key", "task_id", "=correlation_id", "=external_request_id")
+    search_fields = ("idempotency_key", "task_id__exact", "correlation_id__exact")
     date_hierarchy = "started_at"
 
     def get_urls(self) -> list[URLPattern]:
@@ -163,10 +167,11 @@ class DeadLetterAdmin(ReadOnlyAdmin):
         "job",
     )
     list_filter = ("status", "reason", "task_name")
-    search_fields = ("idempotency_key", "task_id", "=correlation_id")
+    search_fields = ("idempotency_key", "task_id")
     date_hierarchy = "last_attempt"
     actions = ("replay", "discard")
     readonly_fields = ("effect_happened",)
+    change_form_template = "admin/django_outbox/deadletter/change_form.html"
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> list[Any]:
         # "Did the effect happen?" first: the question a dead letter is opened for.
@@ -195,8 +200,26 @@ class DeadLetterAdmin(ReadOnlyAdmin):
     def has_discard_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm("django_outbox.discard_deadletter"))
 
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> Any:
+        # Replay and discard offered on the letter's own page; each goes through the
+        # same confirmation page as the list's actions.
+        context = {
+            "can_replay": self.has_replay_permission(request),
+            "can_discard": self.has_discard_permission(request),
+            **(extra_context or {}),
+        }
+        return super().change_view(request, object_id, form_url, context)
+
     @admin.action(permissions=["replay"], description="Replay (same idempotency key)")
-    def replay(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> None:
+    def replay(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> Any:
+        if request.POST.get("post") != "yes":
+            return self._confirm(request, queryset, "replay")
         done = 0
         for letter in queryset:
             # A letter that is not open, or a conflict, is refused with its reason (one
@@ -209,9 +232,12 @@ class DeadLetterAdmin(ReadOnlyAdmin):
             self.log_change(request, letter, f"Replayed as task {new_id}.")
             done += 1
         self.message_user(request, f"Replayed {done} dead letter(s).", messages.SUCCESS)
+        return None
 
     @admin.action(permissions=["discard"], description="Discard (keep as evidence)")
-    def discard(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> None:
+    def discard(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> Any:
+        if request.POST.get("post") != "yes":
+            return self._confirm(request, queryset, "discard")
         done = 0
         for letter in queryset:
             try:
@@ -222,6 +248,69 @@ class DeadLetterAdmin(ReadOnlyAdmin):
             self.log_change(request, letter, "Discarded (kept as evidence).")
             done += 1
         self.message_user(request, f"Discarded {done} dead letter(s).", messages.SUCCESS)
+        return None
+
+    def _confirm(
+        self, request: HttpRequest, queryset: QuerySet[DeadLetter], action: str
+    ) -> TemplateResponse:
+        """What the action will do to each selected letter, before it does anything.
+
+        Django's own convention (as ``delete_selected``): the action posted without
+        ``post=yes`` shows this page; its button posts again with ``post=yes``.
+        """
+        rows = [_plan(letter, action) for letter in queryset.order_by("pk")]
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"{action.capitalize()} dead letters: are you sure?",
+            "action": action,
+            "rows": rows,
+            "ready": sum(1 for r in rows if not r["refusal"]),
+            "opts": self.model._meta,
+            "action_checkbox_name": ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(
+            request, "admin/django_outbox/deadletter/confirm_action.html", context
+        )
+
+
+def _plan(letter: DeadLetter, action: str) -> dict[str, Any]:
+    """One row of the confirmation page: what will happen to ``letter``, or why not."""
+    row: dict[str, Any] = {"letter": letter, "refusal": "", "will": "", "applied": None}
+    if action == "discard":
+        if letter.status != DeadLetterStatus.OPEN:
+            row["refusal"] = f"it is {letter.status}, not open: it will not be discarded"
+        else:
+            row["will"] = "closed as discarded; the row stays as evidence"
+        return row
+    row["refusal"] = dead_letters.replay_refusal(letter)
+    if letter.reason == DeadLetterReason.CONFLICT and letter.idempotency_key:
+        # The conflict beside the new arguments: what the ledger holds for the key
+        # (its fingerprint, and the arguments where an outbox row kept them).
+        applied = ProcessedOperation.objects.filter(key=letter.idempotency_key).first()
+        if applied is not None:
+            source = OutboxEvent.objects.filter(event_id=_uuid_or_none(applied.task_id)).first()
+            row["applied"] = {
+                "row": applied,
+                "at": _ms(applied.processed_at),
+                "arguments": (
+                    f"args={source.args!r} kwargs={source.kwargs!r}"
+                    if source is not None
+                    else "not stored (only their fingerprint is)"
+                ),
+            }
+    if not row["refusal"]:
+        row["will"] = (
+            f"published again to {dead_letters.replay_destination(letter)} with key "
+            f"{letter.idempotency_key!r} and a new task id; its attempts link back here"
+        )
+    return row
+
+
+def _uuid_or_none(value: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        return None
 
 
 @admin.register(OutboxEvent)
@@ -260,7 +349,7 @@ class OutboxEventAdmin(ReadOnlyAdmin):
             summary = "backlog: none pending"
         else:
             age = (timezone.now() - oldest).total_seconds()
-            summary = f"backlog: {count} pending, oldest {_age(age)} old"
+            summary = f"backlog: {count} pending, oldest {dashboard.age_text(age)} old"
         context = {"title": f"Outbox events ({summary})", **(extra_context or {})}
         response: TemplateResponse = super().changelist_view(request, context)  # type: ignore[assignment]
         return response
@@ -280,16 +369,6 @@ class OutboxEventAdmin(ReadOnlyAdmin):
         self.message_user(
             request, f"{done} pending outbox event(s) will be published now.", messages.SUCCESS
         )
-
-
-def _age(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.1f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
 
 
 @admin.register(Dashboard)

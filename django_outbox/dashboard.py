@@ -1,15 +1,18 @@
 """The dashboard: how the jobs are doing now, on one staff page, from our own data.
 
 Per time bucket over the last hour (or 6 h, 24 h): attempts by outcome, retries, fenced
-commits, dead-letter inflow by reason. Live: each known queue's depth on the broker,
-the outbox's backlog, oldest pending event and publish lag, open circuit breakers,
-running execution leases, and lease locks held longer than their TTL. Plots are SVG
-drawn here (no script, no network). Every count is one query through an index
-(``outcome, started_at`` for attempts): it stays fast on a million rows.
+commits, dead-letter inflow by reason. Live: each known queue's depth on the broker and
+the age of its oldest message (Redis), the outbox's backlog, oldest pending event and
+publish lag, open circuit breakers, running execution leases, and lease locks held
+longer than their TTL. Plots are SVG drawn here (no script, no network). Every count
+is one query through an index (``outcome, started_at`` for attempts): it stays fast on
+a million rows.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -24,6 +27,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from kombu.exceptions import OperationalError
 
+from celery_explicit import idempotency
 from celery_explicit.outcomes import Outcome
 from django_outbox.conf import settings
 from django_outbox.models import Attempt, DeadLetter, OutboxEvent, OutboxStatus
@@ -188,7 +192,7 @@ def _live() -> dict[str, Any]:
 def _queue_depths(app: Any) -> list[dict[str, Any]]:
     """Messages waiting in each queue the app knows (default and configured), by a
     passive declare on a channel of its own (RabbitMQ closes a channel whose passive
-    declare finds no queue)."""
+    declare finds no queue), and the age of the oldest one where it can be read."""
     names = {str(app.conf.task_default_queue or "celery")}
     names.update(getattr(q, "name", str(q)) for q in (app.conf.task_queues or ()))
     depths = []
@@ -199,9 +203,43 @@ def _queue_depths(app: Any) -> list[dict[str, Any]]:
             channel = conn.channel()
             try:
                 _, count, _ = channel.queue_declare(queue=name, passive=True)
+                oldest = _oldest_age(conn, channel, name) if count else None
             except conn.channel_errors:
-                count = 0  # no such queue yet: nothing waits in it
+                count, oldest = 0, None  # no such queue yet: nothing waits in it
             finally:
                 channel.close()
-            depths.append({"name": name, "depth": int(count)})
+            depths.append({"name": name, "depth": int(count), "oldest": oldest})
     return depths
+
+
+def _oldest_age(conn: Any, channel: Any, queue: str) -> str:
+    """The age of the message that has waited longest, read without taking it.
+
+    On Redis the queue is a list that kombu pushes on the left and pops from the right,
+    so the oldest message is its last element; its ``explicit_sent_at`` header (set on
+    every ExplicitTask publish) says when it was sent. AMQP has no way to look at a
+    message without taking it (a get and a requeue would mark it redelivered), so on
+    RabbitMQ the age is not read here.
+    """
+    if conn.transport.driver_type != "redis":
+        return "not readable over AMQP"
+    raw = channel.client.lindex(queue, -1)
+    if raw is None:
+        return "-"
+    try:
+        headers = json.loads(raw).get("headers") or {}
+        sent_at = float(headers[idempotency.SENT_AT_HEADER])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "unknown (not sent by an ExplicitTask)"
+    return age_text(max(0.0, time.time() - sent_at))
+
+
+def age_text(seconds: float) -> str:
+    """An age as a person reads it: 4.2s, 12min, 3.5h, 2.0d."""
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"

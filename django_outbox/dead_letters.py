@@ -8,6 +8,7 @@ an operator replays it (same idempotency key, linked to this row) or discards it
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -15,7 +16,7 @@ from django.db import transaction
 from django.db.models import Min
 from django.utils import timezone
 
-from celery_explicit.idempotency import KEY_HEADER, REPLAY_HEADER
+from celery_explicit.idempotency import KEY_HEADER, REPLAY_HEADER, SENT_AT_HEADER
 from django_outbox.conf import settings
 from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, DeadLetterStatus
 
@@ -87,27 +88,15 @@ def replay(letter: DeadLetter, *, by: str) -> str:
     new_id = str(uuid.uuid4())
     with transaction.atomic(using=settings.database):
         locked = DeadLetter.objects.using(settings.database).select_for_update().get(pk=letter.pk)
-        if locked.status != DeadLetterStatus.OPEN:
-            raise ValueError(
-                f"dead letter {letter.pk} ({letter.task_name}) is "
-                f"{locked.status}, not open: not replayed"
-            )
-        if locked.reason == DeadLetterReason.CONFLICT:
-            # Its key's effect was applied with other arguments: the replay would meet
-            # the same ledger row and fail the same way.
-            raise ValueError(
-                f"dead letter {letter.pk} ({letter.task_name}) is a conflict: key "
-                f"{locked.idempotency_key!r} was already applied with other arguments "
-                f"(these: args={locked.args!r} kwargs={locked.kwargs!r}), so a replay can "
-                "only fail again: not replayed. Discard it, or publish the change as a "
-                "new operation with its own key"
-            )
+        refusal = replay_refusal(locked)
+        if refusal:
+            raise ValueError(refusal)
         locked.status = DeadLetterStatus.REPLAYED
         locked.replayed_task_id = new_id
         locked.resolved_at = timezone.now()
         locked.resolved_by = by[:150]
         locked.save(update_fields=["status", "replayed_task_id", "resolved_at", "resolved_by"])
-        headers: dict[str, object] = {REPLAY_HEADER: letter.pk}
+        headers: dict[str, object] = {REPLAY_HEADER: letter.pk, SENT_AT_HEADER: time.time()}
         if letter.idempotency_key:
             headers[KEY_HEADER] = letter.idempotency_key
         # Published before the status change commits: a publish that fails leaves the
@@ -131,6 +120,37 @@ def replay(letter: DeadLetter, *, by: str) -> str:
         )
     letter.refresh_from_db()
     return new_id
+
+
+def replay_refusal(letter: DeadLetter) -> str:
+    """Why ``letter`` cannot be replayed, or ``""`` when it can.
+
+    The confirmation page shows this before anything is done; ``replay`` checks it again
+    under the row lock, so a letter closed in between is still refused.
+    """
+    if letter.status != DeadLetterStatus.OPEN:
+        return (
+            f"dead letter {letter.pk} ({letter.task_name}) is {letter.status}, "
+            "not open: not replayed"
+        )
+    if letter.reason == DeadLetterReason.CONFLICT:
+        # Its key's effect was applied with other arguments: the replay would meet
+        # the same ledger row and fail the same way.
+        return (
+            f"dead letter {letter.pk} ({letter.task_name}) is a conflict: key "
+            f"{letter.idempotency_key!r} was already applied with other arguments "
+            f"(these: args={letter.args!r} kwargs={letter.kwargs!r}), so a replay can "
+            "only fail again: not replayed. Discard it, or publish the change as a "
+            "new operation with its own key"
+        )
+    return ""
+
+
+def replay_destination(letter: DeadLetter) -> str:
+    """Where a replay publishes, in words (the confirmation page says it)."""
+    if letter.exchange:
+        return f"exchange {letter.exchange!r}, routing key {letter.queue!r}"
+    return f"queue {letter.queue!r}" if letter.queue else "the task's default queue"
 
 
 def discard(letter: DeadLetter, *, by: str) -> None:

@@ -121,10 +121,30 @@ def test_dashboard_job_page_and_replay_in_chromium(
         assert page.locator("table.timeline tbody tr").count() >= 3
         page.screenshot(path=str(shots / "job.png"), full_page=True)
 
+        # At 1400 px the attempt list shows the worker (host and pid) without scrolling.
+        page.goto(f"{live_server.url}/admin/django_outbox/attempt/")
+        worker = page.locator("td.field-worker").first
+        box = worker.bounding_box()
+        assert box is not None and box["x"] + box["width"] <= 1400, box
+        assert "worker-1 pid 80" in worker.inner_text()
+        page.screenshot(path=str(shots / "attempts.png"), full_page=True)
+
+        # The dead letter page answers "did the effect happen?" and offers replay.
+        letter_pk = history["letter"].pk
+        page.goto(f"{live_server.url}/admin/django_outbox/deadletter/{letter_pk}/change/")
+        assert "No: no ledger row" in page.locator("div.field-effect_happened").inner_text()
+        page.screenshot(path=str(shots / "dead-letter.png"), full_page=True)
+
         page.goto(f"{live_server.url}/admin/django_outbox/deadletter/")
-        page.check(f"input[name=_selected_action][value='{history['letter'].pk}']")
+        page.check(f"input[name=_selected_action][value='{letter_pk}']")
         page.select_option("select[name=action]", "replay")
         page.click("button[name=index]")
+        # The confirmation page first: nothing replayed until its button is pressed.
+        page.wait_for_selector("#confirm-rows")
+        assert "Published again to" in page.locator("#confirm-rows").inner_text()
+        page.screenshot(path=str(shots / "replay-confirm.png"), full_page=True)
+        assert "Yes, replay 1 dead letter(s)" in page.locator("#confirm").input_value()
+        page.click("#confirm")
         page.wait_for_selector("ul.messagelist")
         assert "Replayed 1 dead letter(s)." in page.locator("ul.messagelist").inner_text()
         page.screenshot(path=str(shots / "dead-letters.png"), full_page=True)

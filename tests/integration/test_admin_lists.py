@@ -69,6 +69,46 @@ def test_a_business_id_finds_every_key_it_is_part_of(admin_browser: Client) -> N
     assert ledger.status_code == 200
 
 
+def test_a_whole_task_or_correlation_id_finds_its_attempts(admin_browser: Client) -> None:
+    job, other = str(uuid.uuid4()), str(uuid.uuid4())
+    attempt(job, "order:1:ship", timezone.now(), correlation_id="req-77")
+    attempt(other, "order:2:ship", timezone.now())
+    page = admin_browser.get(ATTEMPTS, {"q": job}).content.decode()
+    assert "order:1:ship" in page and "order:2:ship" not in page
+    page = admin_browser.get(ATTEMPTS, {"q": "req-77"}).content.decode()
+    assert "order:1:ship" in page and "order:2:ship" not in page
+
+
+@pytest.mark.parametrize(
+    ("model", "term"),
+    [
+        ("attempt", "ORD-1003"),
+        ("processedoperation", "ORD-1003"),
+        ("deadletter", "ORD-1003"),
+    ],
+)
+def test_the_admin_search_is_served_by_an_index(model: str, term: str) -> None:
+    """The plan of the query the search box builds uses the indexes of migration 0011,
+    not a scan of the whole table (sequential scans off, as on a large table)."""
+    from django.apps import apps
+    from django.contrib.admin.sites import site
+    from django.db import connection
+    from django.test import RequestFactory
+
+    model_class = apps.get_model("django_outbox", model)
+    model_admin = site._registry[model_class]
+    found, _ = model_admin.get_search_results(
+        RequestFactory().get("/"), model_class.objects.all(), term
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        sql, params = found.query.sql_with_params()
+        cursor.execute(f"EXPLAIN {sql}", params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "Seq Scan" not in plan, plan
+    assert "_trgm" in plan, plan
+
+
 def test_fence_rows_are_listed_and_read_only(admin_browser: Client) -> None:
     job = str(uuid.uuid4())
     Fence.objects.create(

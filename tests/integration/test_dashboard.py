@@ -81,3 +81,34 @@ def test_a_staff_member_without_the_attempts_permission_is_refused() -> None:
     client = Client()
     client.force_login(user)
     assert client.get(URL).status_code == 403
+
+
+def test_each_queue_shows_its_depth_and_the_age_of_its_oldest_message(
+    staff: Client, queue: str, redis_client, monkeypatch
+) -> None:
+    import json
+    import time
+
+    from celery_explicit.idempotency import SENT_AT_HEADER
+    from tests.celery_app import app
+    from tests.testapp.tasks import Increment
+
+    monkeypatch.setitem(app.conf, "task_default_queue", queue)
+    try:
+        for op in ("1", "2"):
+            app.tasks[Increment.name].apply_async(kwargs={"name": "q", "op_id": op}, queue=queue)
+        # The oldest is the list's right end (kombu pushes left, pops right): age it by
+        # five minutes, as if it had waited that long.
+        oldest = json.loads(redis_client.lindex(queue, -1))
+        assert oldest["headers"][SENT_AT_HEADER] <= time.time()
+        oldest["headers"][SENT_AT_HEADER] = time.time() - 300
+        redis_client.lset(queue, -1, json.dumps(oldest))
+        html = staff.get(URL).content.decode()
+        assert f"{queue}: 2 waiting, oldest 5min" in html
+        # A message no ExplicitTask sent has no such header: its age is said unknown.
+        del oldest["headers"][SENT_AT_HEADER]
+        redis_client.lset(queue, -1, json.dumps(oldest))
+        html = staff.get(URL).content.decode()
+        assert f"{queue}: 2 waiting, oldest unknown (not sent by an ExplicitTask)" in html
+    finally:
+        redis_client.delete(queue)

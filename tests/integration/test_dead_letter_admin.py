@@ -45,12 +45,13 @@ def letter(queue: str = "", **kw: object) -> DeadLetter:
     return DeadLetter.objects.create(**fields)
 
 
-def act(client: Client, action: str, *letters: DeadLetter):  # type: ignore[no-untyped-def]
-    return client.post(
-        CHANGELIST,
-        {"action": action, "_selected_action": [str(d.pk) for d in letters]},
-        follow=True,
-    )
+def act(client: Client, action: str, *letters: DeadLetter, confirm: bool = True):  # type: ignore[no-untyped-def]
+    """Post an action as the confirmation page's button does (``post=yes``), or, with
+    ``confirm=False``, as the list's "Go" button does (which shows that page)."""
+    data = {"action": action, "_selected_action": [str(d.pk) for d in letters]}
+    if confirm:
+        data["post"] = "yes"
+    return client.post(CHANGELIST, data, follow=True)
 
 
 def test_dead_letters_are_read_only_evidence() -> None:
@@ -138,3 +139,54 @@ def test_a_refused_replay_says_why(redis_client, queue) -> None:
     conflict.refresh_from_db()
     assert conflict.status == DeadLetterStatus.OPEN  # refused: still open for a discard
     assert redis_client.llen(queue) == 0
+
+
+def test_replay_and_discard_first_show_what_they_will_do(redis_client, queue) -> None:
+    from django_outbox.models import ProcessedOperation
+
+    ready = letter(queue=queue)
+    conflict = letter(queue=queue, reason=DeadLetterReason.CONFLICT, idempotency_key="order:9")
+    ProcessedOperation.objects.create(
+        key="order:9",
+        task_name="tests.increment",
+        task_id="applied-task",
+        fingerprint="f" * 64,
+        processed_at=timezone.now(),
+    )
+    client = staff("replay_deadletter", "discard_deadletter")
+    page = act(client, "replay", ready, conflict, confirm=False).content.decode()
+    # Nothing happened yet: both letters still open, nothing published.
+    for d in (ready, conflict):
+        d.refresh_from_db()
+        assert d.status == DeadLetterStatus.OPEN
+    assert redis_client.llen(queue) == 0
+    assert "are you sure?" in page
+    assert f"queue &#x27;{queue}&#x27;" in page  # where the replay will go
+    assert "Refused:" in page and "can only fail again" in page
+    assert "by task applied-task" in page  # the applied row beside the new arguments
+    assert "Yes, replay 1 dead letter(s)" in page
+    assert 'name="post" value="yes"' in page
+
+    # The page's button: one replayed, the conflict refused with its reason.
+    done = act(client, "replay", ready, conflict).content.decode()
+    assert "Replayed 1 dead letter(s)." in done
+    ready.refresh_from_db()
+    assert ready.status == DeadLetterStatus.REPLAYED
+    assert redis_client.llen(queue) == 1
+
+    # Nothing left that can be replayed: the page says so and offers no button.
+    page = act(client, "replay", ready, confirm=False).content.decode()
+    assert "nothing to do" in page and 'id="confirm"' not in page
+    redis_client.delete(queue)
+
+
+def test_the_letter_page_offers_its_actions_by_permission() -> None:
+    d = letter()
+    page = staff("replay_deadletter").get(f"{CHANGELIST}{d.pk}/change/").content.decode()
+    assert 'id="replay-this"' in page and 'id="discard-this"' not in page
+    page = staff().get(f"{CHANGELIST}{d.pk}/change/").content.decode()
+    assert 'id="replay-this"' not in page and 'id="discard-this"' not in page
+    d.status = DeadLetterStatus.DISCARDED
+    d.save()
+    page = staff("discard_deadletter").get(f"{CHANGELIST}{d.pk}/change/").content.decode()
+    assert 'id="discard-this"' not in page  # closed: nothing to offer
