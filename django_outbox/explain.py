@@ -329,6 +329,17 @@ def _replay_result(letter: DeadLetter, attempts: list[Attempt], letters: list[De
     return f", which ended {runs[-1].outcome}" if runs else ", which has not run yet"
 
 
+def _holder(fence: Fence, attempts: list[Attempt]) -> str:
+    """The execution a takeover was taken from, named as its attempt row names it
+    (``worker@host pid N``) where that attempt is among the job's; the fence row keeps
+    only ``host:pid``."""
+    host, _, pid = fence.taken_over_from.rpartition(":")
+    for attempt in attempts:
+        if str(attempt.worker_pid) == pid and attempt.worker_host.rsplit("@", 1)[-1] == host:
+            return f"{attempt.worker_host} pid {pid}"
+    return fence.taken_over_from
+
+
 def _verdict(
     attempts: list[Attempt],
     ledger: ProcessedOperation | None,
@@ -373,12 +384,13 @@ def _verdict(
     redelivered = sum(1 for a in attempts if a.redelivered)
     if redelivered:
         causes.append(f"{redelivered} redeliver{'y' if redelivered == 1 else 'ies'} by the broker")
-    if fences:
-        holders = ", ".join(f.taken_over_from for f in fences)
-        causes.append(
-            f"{len(fences)} lease takeover{'s' if len(fences) > 1 else ''} (from {holders})"
-        )
     fenced = outcomes[Outcome.FENCED]
+    if fences:
+        holders = ", ".join(_holder(f, attempts) for f in fences)
+        causes.append(
+            f"{len(fences)} lease takeover{'s' if len(fences) > 1 else ''} after the "
+            f"lease expired (from {holders})"
+        )
     if fenced:
         causes.append(f"{fenced} stale commit{'s' if fenced > 1 else ''} fenced")
     absorbed = outcomes[Outcome.ALREADY_APPLIED]

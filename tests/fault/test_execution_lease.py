@@ -97,6 +97,26 @@ def test_stopped_holder_cannot_commit_after_a_takeover(
     assert outcomes == Tally({expected: ROUNDS}), [w.log()[-2000:] for w in workers]
     takeovers = Fence.objects.count()
     assert takeovers == (ROUNDS if lease == "1" else 0)
+    # explain, from the rows alone, names the takeover and the fenced stale commit.
+    verdict = explain_verdict("ship:0")
+    if lease == "1":
+        stale = Attempt.objects.get(idempotency_key="ship:0", outcome=Outcome.FENCED)
+        assert "effect applied once" in verdict and "ran 2 times" in verdict, verdict
+        holder = f"{stale.worker_host} pid {stale.worker_pid}"
+        assert f"1 lease takeover after the lease expired (from {holder})" in verdict, verdict
+        assert "1 stale commit fenced" in verdict, verdict
+    else:
+        assert "takeover" not in verdict and "fenced" not in verdict, verdict
+
+
+def explain_verdict(what: str) -> str:
+    import io
+
+    from django.core.management import call_command
+
+    out = io.StringIO()
+    call_command("explain", what, stdout=out)
+    return next(line for line in out.getvalue().splitlines() if "verdict:" in line)
 
 
 def overlaps(spans: list[tuple[float, float]]) -> int:

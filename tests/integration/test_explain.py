@@ -92,6 +92,30 @@ def test_a_permanent_failure_found_by_business_id_and_dead_letter_id(start_worke
         assert "ran 1 time" in verdict
 
 
+def test_a_replay_on_real_workers_that_fails_again_is_followed_to_its_new_letter(
+    start_worker, queue
+) -> None:
+    """Dead-lettered, replayed by an operator, dead-lettered again: explain follows the
+    chain from the first letter to the second, from the rows the workers left."""
+    from django_outbox import dead_letters
+
+    payment = int(uuid.uuid4().int % 10**8) + 2 * 10**8
+    key = f"payment:{payment}:capture"
+    start_worker()
+    Declined().apply_async(args=[payment], queue=queue)
+    first = wait_for(lambda: DeadLetter.objects.filter(idempotency_key=key).first())
+    replay_id = dead_letters.replay(first, by="oncall")
+    again = wait_for(lambda: DeadLetter.objects.filter(task_id=replay_id).first())
+    text = explain(key)
+    assert f"replayed as task {replay_id}" in text, text
+    assert f"which was dead-lettered again (permanent, dead letter {again.pk})" in text, text
+    verdict = verdict_of(text)
+    assert "ran 2 times" in verdict and "replayed from the dead letters (1 attempt(s))" in verdict
+    assert f"dead letter {again.pk}" in verdict
+    # The replayed attempt links back to the first letter.
+    assert Attempt.objects.get(task_id=replay_id).replay_of == first.pk
+
+
 def test_a_conflict_is_named_beside_the_applied_effect(start_worker, queue) -> None:
     name = f"c{uuid.uuid4().hex[:6]}"
     Counter.objects.create(name=name)
