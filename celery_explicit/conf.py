@@ -95,6 +95,11 @@ class Settings:
     outbox_backoff_base: Setting[float] = Setting(0.5, float)
     outbox_backoff_cap: Setting[float] = Setting(30.0, float)
 
+    #: RabbitMQ's management API, for the dashboard's oldest-message age (AMQP cannot
+    #: look at a message without taking it). Unset: the broker's host, port 15672 and
+    #: credentials; "off": not read.
+    rabbitmq_management_url: Setting[str] = Setting("", str)
+
     @property
     def redis_url(self) -> str:
         """``EXPLICIT_REDIS_URL``, or the broker when it is Redis."""

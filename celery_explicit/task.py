@@ -150,7 +150,11 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 correlation = getattr(current_task.request, idempotency.CORRELATION_HEADER, None)
                 if correlation:
                     headers[idempotency.CORRELATION_HEADER] = correlation
-        headers[idempotency.SENT_AT_HEADER] = time.time()
+        sent_at = time.time()
+        headers[idempotency.SENT_AT_HEADER] = sent_at
+        # AMQP's own timestamp property (whole seconds): RabbitMQ's management API reports
+        # it for a queue's head message, the only way to read its age there.
+        options.setdefault("timestamp", int(sent_at))
         try:
             if order_key is not None:
                 taken_place = (order_key, ordering_mod.take_number(order_key))

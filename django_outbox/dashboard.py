@@ -11,8 +11,11 @@ a million rows.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
+import urllib.parse
+import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -219,10 +222,13 @@ def _oldest_age(conn: Any, channel: Any, queue: str) -> str:
     so the oldest message is its last element; its ``explicit_sent_at`` header (set on
     every ExplicitTask publish) says when it was sent. AMQP has no way to look at a
     message without taking it (a get and a requeue would mark it redelivered), so on
-    RabbitMQ the age is not read here.
+    RabbitMQ the management API's ``head_message_timestamp`` is read: the AMQP
+    ``timestamp`` property every ExplicitTask publish sets.
     """
+    if conn.transport.driver_type == "amqp":
+        return _rabbitmq_head_age(conn, queue)
     if conn.transport.driver_type != "redis":
-        return "not readable over AMQP"
+        return "not readable on this transport"
     raw = channel.client.lindex(queue, -1)
     if raw is None:
         return "-"
@@ -231,6 +237,29 @@ def _oldest_age(conn: Any, channel: Any, queue: str) -> str:
         sent_at = float(headers[idempotency.SENT_AT_HEADER])
     except (ValueError, KeyError, TypeError, AttributeError):
         return "unknown (not sent by an ExplicitTask)"
+    return age_text(max(0.0, time.time() - sent_at))
+
+
+def _rabbitmq_head_age(conn: Any, queue: str) -> str:
+    base = settings.rabbitmq_management_url
+    if base.lower() == "off":
+        return "not read (EXPLICIT_RABBITMQ_MANAGEMENT_URL is off)"
+    if not base:
+        base = f"http://{conn.hostname or '127.0.0.1'}:15672"
+    vhost = urllib.parse.quote(conn.virtual_host or "/", safe="")
+    url = f"{base.rstrip('/')}/api/queues/{vhost}/{urllib.parse.quote(queue, safe='')}"
+    request = urllib.request.Request(url)
+    token = base64.b64encode(f"{conn.userid or 'guest'}:{conn.password or 'guest'}".encode())
+    request.add_header("Authorization", "Basic " + token.decode())
+    try:
+        # One second at most: a management API that is down must not hold the page.
+        with urllib.request.urlopen(request, timeout=1.0) as response:
+            info = json.load(response)
+    except (OSError, ValueError) as exc:
+        return f"unknown (RabbitMQ's management API at {base} did not answer: {exc})"
+    sent_at = info.get("head_message_timestamp")
+    if not isinstance(sent_at, (int, float)):
+        return "unknown (its head message has no timestamp: not sent by an ExplicitTask)"
     return age_text(max(0.0, time.time() - sent_at))
 
 

@@ -52,6 +52,14 @@ ensure_rabbitmq() {
         || { echo "RabbitMQ did not start" >&2; return 1; }
 }
 
+ensure_rabbitmq_management() {  # the dashboard reads a queue's oldest message age there
+    if (exec 3<>/dev/tcp/127.0.0.1/15672) 2>/dev/null; then return 0; fi
+    echo "enabling RabbitMQ's management plugin" >&2
+    rabbitmq-plugins enable rabbitmq_management >/dev/null
+    wait_until 60 bash -c '(exec 3<>/dev/tcp/127.0.0.1/15672)' \
+        || { echo "RabbitMQ's management API did not start" >&2; return 1; }
+}
+
 ensure_database() {  # the database the test settings name; pytest-django makes test_<name>
     local name="${PGDATABASE:-explicit}"
     if ! psql -h 127.0.0.1 -U "${PGUSER:-postgres}" -tAc \
