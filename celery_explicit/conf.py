@@ -100,6 +100,22 @@ class Settings:
     #: credentials; "off": not read.
     rabbitmq_management_url: Setting[str] = Setting("", str)
 
+    #: *environment* The port a worker serves its pool's metrics on (all interfaces;
+    #: 0: off). Also read from the environment: two workers on one host need two ports.
+    worker_metrics_port: Setting[int] = Setting(0, int, env=True)
+    #: *environment* The worker's prometheus_client multiprocess directory, emptied at
+    #: worker start; one per worker. Unset: ``<tmp>/celery-explicit-metrics-<port>``.
+    metrics_dir: Setting[str] = Setting("", str, env=True)
+    #: The bearer token of the Django metrics view (database and broker gauges); unset:
+    #: the view answers 404.
+    #: *environment* Port where ``manage.py outbox_relay`` serves its own metrics (the
+    #: relay is one process: no multiprocess directory); 0 is off.
+    relay_metrics_port: Setting[int] = Setting(0, int, env=True)
+    metrics_token: Setting[str] = Setting("", str)
+
+    #: The request header ``CorrelationMiddleware`` takes a web request's id from.
+    correlation_header: Setting[str] = Setting("X-Request-ID", str)
+
     @property
     def redis_url(self) -> str:
         """``EXPLICIT_REDIS_URL``, or the broker when it is Redis."""

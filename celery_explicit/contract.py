@@ -22,6 +22,7 @@ from celery import Task
 from celery_explicit import declarations, idempotency
 from celery_explicit import dedup as dedup_mod
 from celery_explicit import ordering as ordering_mod
+from celery_explicit import sensitive as sensitive_mod
 from celery_explicit.downstream import Downstream
 from celery_explicit.errors import ContractError
 from celery_explicit.retry_policy import RetryPolicy, Unclassified
@@ -44,6 +45,7 @@ DEFAULTS: Mapping[str, Any] = {
     "downstream": None,
     "ordering_key": None,
     "ordering_gap": None,
+    "sensitive": (),
 }
 
 #: Celery options that would quietly undo a contract, with what to declare instead.
@@ -122,6 +124,8 @@ class Contract:
     #: Per-entity ordering: jobs with one rendered key run one at a time, in publish
     #: order (None: not declared).
     ordering: ordering_mod.Ordering | None = None
+    #: run() parameters never shown or kept in the clear (``celery_explicit.sensitive``).
+    sensitive: tuple[str, ...] = ()
 
 
 def declared_names() -> frozenset[str]:
@@ -281,6 +285,7 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         max_run_time=max_run_time,
         downstream=downstream,
         ordering=ordering_mod.declared(cls, params, takes_kwargs, refuse, visibility, cap),
+        sensitive=sensitive_mod.declared(cls, params, takes_kwargs, refuse),
     )
 
 

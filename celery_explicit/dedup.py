@@ -17,19 +17,18 @@ letters skip dedup.
 
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass
 from typing import Any
 
-from celery_explicit import declarations, idempotency, metrics, redis_state
+from celery_explicit import declarations, idempotency, job_log, metrics, redis_state
 from celery_explicit.execution import Execution
 from celery_explicit.outcomes import Outcome
 from celery_explicit.redis_scripts import Script, call
 from celery_explicit.redis_state import client, text
 from celery_explicit.steps import RUN, Decision, Drop, Ending, Job, RetryLater
 
-logger = logging.getLogger("celery_explicit.dedup")
+logger = job_log.get_logger("celery_explicit.dedup")
 _rng = random.SystemRandom()
 
 

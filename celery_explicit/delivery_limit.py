@@ -15,15 +15,14 @@ and expires a day after the last delivery.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from celery_explicit import redis_state
+from celery_explicit import job_log, redis_state
 from celery_explicit.errors import DeliveryLimitExceeded
 from celery_explicit.execution import Execution, delivery
 from celery_explicit.steps import RUN, DeadLetter, Decision, Ending, Job
 
-logger = logging.getLogger("celery_explicit.delivery_limit")
+logger = job_log.get_logger("celery_explicit.delivery_limit")
 
 COUNT_TTL = 24 * 3600
 
@@ -68,6 +67,8 @@ class DeliveryLimitStep:
             logger.warning("could not count a delivery", extra=job.execution.log_fields())
             return RUN
         deliveries = redeliveries + 1
+        job.execution.deliveries = deliveries
+        job_log.update(deliveries=deliveries)
         if deliveries <= self.max_deliveries:
             return RUN
         error = DeliveryLimitExceeded(

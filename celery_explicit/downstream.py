@@ -18,20 +18,19 @@ failures, opened_ms, probe) and ``{prefix}slots:{name}``.
 from __future__ import annotations
 
 import enum
-import logging
 import math
 import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from celery_explicit import metrics, redis_state
+from celery_explicit import job_log, metrics, redis_state
 from celery_explicit.execution import Execution
 from celery_explicit.redis_scripts import Script, call, tagged
 from celery_explicit.redis_state import text
 from celery_explicit.steps import RUN, Decision, Defer, Ending, Job
 
-logger = logging.getLogger("celery_explicit.downstream")
+logger = job_log.get_logger("celery_explicit.downstream")
 _rng = random.SystemRandom()
 
 

@@ -10,6 +10,7 @@ commit, so ``applied`` is recorded exactly when the effect committed.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,10 +38,13 @@ def effect_of(task: Any, *, using: str | None = None) -> Iterator[Effect]:
         execution.audited and alias == settings.database and not connections[alias].in_atomic_block
     )
 
+    commit_started: list[float] = []
+
     def attempt_row(claimed: Effect) -> list[Statement]:
         # Runs inside the effect's transaction, after the block: the attempt row
         # commits with the effect (one commit per job), and "applied" is never
         # recorded for an effect that rolled back.
+        commit_started.append(time.perf_counter())
         execution.outcome = Outcome.ALREADY_APPLIED if claimed.done else Outcome.APPLIED
         if not joins_commit:
             return []
@@ -61,12 +65,18 @@ def effect_of(task: Any, *, using: str | None = None) -> Iterator[Effect]:
     except BaseException:
         execution.outcome = None  # rolled back: the error path records the attempt
         raise
+    if commit_started:
+        # The ledger's last writes and COMMIT, for the attempt's log line.
+        execution.timings["commit"] = (time.perf_counter() - commit_started[0]) * 1000.0
     if joins_commit:
         execution.effect_row_written = execution.recorded = True
         assert execution.outcome is not None
-        records.emit(execution, execution.outcome)
+        # Its metric and log line when the handler has ended (the line then has the
+        # handler's whole time); a handler that fails after the commit logs the
+        # failure instead.
+        execution.line_pending = True
     if claimed.done:
-        metrics.duplicates_absorbed.labels(task.name, "duplicate").inc()
+        metrics.idempotency_conflicts.labels(task.name, "duplicate").inc()
         records.log("effect already applied: duplicate absorbed", execution, layer="effect")
     else:
         metrics.effects_applied.labels(task.name).inc()

@@ -7,11 +7,27 @@ layers (delivery, execution, effect) went wrong.
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.core.exceptions import ImproperlyConfigured
 
 
 class ExplicitError(Exception):
     """Root of every exception raised by celery_explicit. Do not raise directly."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Our errors take keyword-only arguments, which the default pickling (``cls(*args)``)
+        # cannot pass: Celery would then log and store the nearest class that pickles
+        # (``ExplicitError(...)`` for an ``IdempotencyConflict``). Rebuilt from the
+        # instance's own state, every subclass keeps its name and attributes.
+        return (_restore, (type(self), self.args, self.__dict__))
+
+
+def _restore(cls: type[ExplicitError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 # --- configuration: fix the code or the settings, nothing to retry -----------------

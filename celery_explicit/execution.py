@@ -6,10 +6,11 @@ where "which attempt, which key, which fence" lives while the handler runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from celery_explicit import sensitive
 from celery_explicit.errors import ExplicitError
 from celery_explicit.outcomes import Outcome
 
@@ -29,12 +30,28 @@ class Execution:
     #: An effect block committed this attempt's row (a later record updates it).
     effect_row_written: bool = False
     recorded: bool = False
+    #: The row was written with the effect's commit; its metric and log line wait
+    #: for the handler's end (``pipeline``).
+    line_pending: bool = False
     #: False for a direct function call: no message, so no attempt row.
     audited: bool = True
     #: The execution lease's fencing token (None: no lease, e.g. a direct call).
     fence: int | None = None
     #: Its effect was refused: a newer execution of this job took the lease over.
     lost_lease: bool = False
+    #: Deliveries of this message so far, this one included (``delivery_limit``).
+    deliveries: int = 1
+    #: Milliseconds spent per part of the attempt, for its log line: ``queue_wait``
+    #: (sent to started), each step that ran (``execution_lease`` is the lease
+    #: acquire), ``handler``, ``commit`` (the effect's ledger writes and COMMIT).
+    timings: dict[str, float] = field(default_factory=dict)
+    #: The task's sensitive fields and their values' text (``celery_explicit.sensitive``):
+    #: scrubbed from every error message we store or log.
+    sensitive: tuple[str, ...] = ()
+    secrets: list[str] = field(default_factory=list)
+
+    def scrub(self, text: str) -> str:
+        return sensitive.scrub(text, self.secrets) if self.secrets else text
 
     def log_fields(self) -> dict[str, Any]:
         """The fields every log line about this execution carries."""
@@ -45,6 +62,7 @@ class Execution:
             "attempt": self.attempt,
             "correlation_id": self.correlation_id,
             "external_request_id": self.external_request_id,
+            "deliveries": self.deliveries,
         }
 
 

@@ -35,7 +35,6 @@ their hash tag (one slot on Redis Cluster):
 from __future__ import annotations
 
 import enum
-import logging
 import os
 import random
 import socket
@@ -45,14 +44,14 @@ from typing import Any
 
 from django.db import Error as DatabaseError
 
-from celery_explicit import metrics, redis_state, store
+from celery_explicit import job_log, metrics, redis_state, store
 from celery_explicit.conf import settings
 from celery_explicit.execution import Execution, delivery
 from celery_explicit.redis_scripts import Script, call, call_many, tagged
 from celery_explicit.redis_state import text
 from celery_explicit.steps import RUN, Decision, Defer, Ending, Job, RetryLater
 
-logger = logging.getLogger("celery_explicit.execution_lease")
+logger = job_log.get_logger("celery_explicit.execution_lease")
 
 #: How long the "not released" marker outlives a lease: a holder asleep for longer
 #: than this is no longer recognised as stale (its commit is then not refused).
@@ -305,7 +304,7 @@ class ExecutionLeaseStep:
             )
             return RUN
         if isinstance(lease, Held):
-            metrics.concurrent_deferred.labels(self.task_name).inc()
+            metrics.concurrent_executions_deferred.labels(self.task_name).inc()
             # Look again well before the holder's lease could run out: it may end soon.
             quarter = max(0.5, self.ttl * 0.25)
             return Defer(

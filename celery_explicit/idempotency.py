@@ -23,8 +23,10 @@ from celery_explicit.errors import BadInput
 
 #: Message header carrying the rendered key from the moment of publishing.
 KEY_HEADER = "idempotency_key"
-#: Message header carrying the correlation id (the request that caused the job).
-CORRELATION_HEADER = "correlation_id"
+#: Message header carrying the correlation id (the request that caused the job). Not
+#: ``correlation_id``: Celery sets that message property to the task id, and the
+#: request's attribute of that name is the property, so a header of that name was lost.
+CORRELATION_HEADER = "explicit_correlation_id"
 #: Message header linking a replayed message to its dead letter.
 REPLAY_HEADER = "replay_of"
 #: Message header naming how the job was first published: "direct" (apply_async),

@@ -40,7 +40,6 @@ delivery of a job from running while the first is alive.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import time
@@ -49,13 +48,13 @@ from typing import Any
 
 from celery import bootsteps
 
-from celery_explicit import execution_lease, metrics, ordering, redis_state
+from celery_explicit import execution_lease, job_log, metrics, ordering, redis_state
 from celery_explicit.conf import settings
 from celery_explicit.contract import Contract
 from celery_explicit.redis_scripts import Script, call_many
 from celery_explicit.redis_state import text
 
-logger = logging.getLogger("celery_explicit.lease")
+logger = job_log.get_logger("celery_explicit.lease")
 
 #: Extend every lease at this fraction of its timeout.
 HEARTBEAT_FRACTION = 0.25

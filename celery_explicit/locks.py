@@ -23,7 +23,6 @@ hands out a token below one already written with ``fenced_update``.
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import socket
@@ -33,12 +32,12 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
-from celery_explicit import metrics, redis_state
+from celery_explicit import job_log, metrics, redis_state
 from celery_explicit.errors import LockConfigError, LockNotAcquired, LockNotOwned
 from celery_explicit.redis_scripts import Script, call, tagged
 from celery_explicit.redis_state import live_strings
 
-logger = logging.getLogger("celery_explicit.locks")
+logger = job_log.get_logger("celery_explicit.locks")
 
 
 # The lock's value is "<token>|<fence>|<acquired_ms>|<owner>": one string, so taking it
@@ -154,7 +153,15 @@ class LeaseLock:
             )
             if fence:
                 self.token, self.fence = token, int(fence)
-                self._wait_seconds.observe(time.monotonic() - start)
+                waited = time.monotonic() - start
+                self._wait_seconds.observe(waited)
+                # Inside a job, its attempt line names the lock it took.
+                job_log.update(
+                    lock_key=self.name,
+                    owner_token=token,
+                    fencing_token=self.fence,
+                    lock_wait_ms=round(waited * 1000.0, 3),
+                )
                 return self.fence
             now = time.monotonic()
             if now >= deadline:

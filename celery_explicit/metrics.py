@@ -1,8 +1,15 @@
 """Prometheus metrics. Each name says which layer it counts: delivery, execution, effect.
 
-With the prefork pool every child counts in its own memory: set
-``PROMETHEUS_MULTIPROC_DIR`` before the worker starts and expose the registry with
-``prometheus_client.multiprocess.MultiProcessCollector`` (prometheus_client's docs).
+One name per concept: the Python name is the metric's name without ``explicit_`` and
+``_total`` (``idempotency_conflicts`` is ``explicit_idempotency_conflicts_total``),
+and the label values are the words of ``celery_explicit.outcomes``. Labels never carry
+an idempotency key, an argument or a payload: only task, queue, lock family,
+downstream names and the closed sets of words below (docs/metrics.md lists them all).
+
+With the prefork pool every child counts in its own memory: the worker's endpoint
+(``celery_explicit.worker_metrics``, ``EXPLICIT_WORKER_METRICS_PORT``) switches these
+metrics to prometheus_client's multiprocess files at worker start, before the pool
+forks, and serves the merged view.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ effects_applied = Counter(
     "Effects committed with their ledger row (effect layer).",
     ["task"],
 )
-duplicates_absorbed = Counter(
+idempotency_conflicts = Counter(
     "explicit_idempotency_conflicts_total",
     "Executions that found their key already in the ledger (effect layer). "
     "kind=duplicate: same arguments, absorbed; kind=arguments: other arguments, "
@@ -36,10 +43,28 @@ dead_letters = Counter(
     "Messages dead-lettered, by reason (delivery or execution layer).",
     ["task", "reason"],
 )
-attempt_seconds = Histogram(
+#: Buckets up to 15 min: a job's p99 must land in a bucket, not in +Inf.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
+attempt_duration_seconds = Histogram(
     "explicit_attempt_duration_seconds",
-    "Wall time of one attempt of a handler, bookkeeping included.",
+    "Wall time of one attempt of a handler, bookkeeping included (the processing time: "
+    "p50/p95/p99 by histogram_quantile).",
     ["task"],
+    buckets=DURATION_BUCKETS,
+)
+queue_wait_seconds = Histogram(
+    "explicit_queue_wait_seconds",
+    "Seconds from a message's publish (its explicit_sent_at header) to the start of an "
+    "attempt (delivery layer): how long jobs wait in the queue.",
+    ["task"],
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600),
+)
+attempts_per_job = Histogram(
+    "explicit_attempts_per_job",
+    "Attempts a job took, observed once at its final outcome (applied, succeeded, "
+    "dead-lettered): 1 is a job that never retried (execution layer).",
+    ["task"],
+    buckets=(1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 50),
 )
 lock_wait_seconds = Histogram(
     "explicit_lock_wait_seconds",
@@ -80,9 +105,11 @@ downstream_deferred = Counter(
 )
 breaker_open = Gauge(
     "explicit_breaker_open",
-    "1 while a downstream's circuit breaker is open, as last seen by this process.",
+    "1 while a downstream's circuit breaker is open, as last seen by any process.",
     ["downstream"],
-    multiprocess_mode="max",
+    # The latest write of any pool child (dead ones included) is the freshest view;
+    # "max" would keep a dead child's 1 forever.
+    multiprocess_mode="mostrecent",
 )
 redeliveries = Counter(
     "explicit_redeliveries_total",
@@ -92,7 +119,7 @@ redeliveries = Counter(
     "execution held it: a connection loss after the end, a requeue).",
     ["task", "cause"],
 )
-concurrent_deferred = Counter(
+concurrent_executions_deferred = Counter(
     "explicit_concurrent_executions_deferred_total",
     "Deliveries deferred because another live execution of the same job holds its "
     "execution lease (delivery layer).",

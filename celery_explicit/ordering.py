@@ -27,7 +27,6 @@ Redis Cluster slot), expiring a week after last use: ``{prefix}order:{<key>}:pub
 from __future__ import annotations
 
 import contextlib
-import logging
 import random
 import time
 from collections.abc import Iterator, Mapping
@@ -36,12 +35,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from celery_explicit import declarations, idempotency, metrics, redis_state
+from celery_explicit import declarations, idempotency, job_log, metrics, redis_state
 from celery_explicit.execution import Execution
 from celery_explicit.redis_scripts import Script, call, tagged
 from celery_explicit.steps import RUN, Decision, Defer, Ending, Job
 
-logger = logging.getLogger("celery_explicit.ordering")
+logger = job_log.get_logger("celery_explicit.ordering")
 _rng = random.SystemRandom()
 
 

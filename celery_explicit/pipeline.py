@@ -18,16 +18,27 @@ on a step's decision: it re-publishes (``republish``), records and dead-letters.
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import random
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from django.db import DatabaseError
 from django.utils import timezone
 
-from celery_explicit import idempotency, metrics, records, republish
+from celery_explicit import (
+    correlation,
+    idempotency,
+    job_log,
+    metrics,
+    records,
+    republish,
+    sensitive,
+    tracing,
+)
 from celery_explicit.contract import Contract
 from celery_explicit.dedup import DedupStep
 from celery_explicit.delivery_limit import DeliveryLimitStep
@@ -50,7 +61,7 @@ from celery_explicit.steps import (
     Step,
 )
 
-logger = logging.getLogger("celery_explicit")
+logger = job_log.get_logger("celery_explicit")
 _rng = random.SystemRandom()
 
 
@@ -79,8 +90,13 @@ def deliver(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     request = task.request
     state = _Delivery(entered=set())
     goes_on = False
+    # While it runs, this job's correlation id is the current one (every job its
+    # handler publishes carries it) and its facts start every log line we write.
+    correlation_token = correlation.bind(idempotency.correlation_of(request))
+    log_token = job_log.bind({"task": task.name, "job_id": str(request.id or "")})
     try:
-        return _through_steps(task, request, args, kwargs, state)
+        with tracing.attempt(task, request):
+            return _through_steps(task, request, args, kwargs, state)
     except (Retry, Ignore):
         # A retry is scheduled, or the job was deferred: it is not over yet. (Ignore
         # is also how a handler drops its own message; an ordered entity then waits
@@ -93,8 +109,12 @@ def deliver(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     finally:
         ending = Ending(goes_on=goes_on, transient_failure=state.transient_failure)
         execution = running(request)
-        for step in reversed(task.job_steps):
-            step.after_run(request, execution, ending, entered=step.name in state.entered)
+        try:
+            for step in reversed(task.job_steps):
+                step.after_run(request, execution, ending, entered=step.name in state.entered)
+        finally:
+            job_log.reset(log_token)
+            correlation.reset(correlation_token)
 
 
 def begin(
@@ -121,8 +141,32 @@ def begin(
         execution.dedup_id = idempotency.render_key(
             task.name, contract.dedup.key, given, label="dedup key"
         )
+    if contract.sensitive:
+        execution.sensitive = contract.sensitive
+        execution.secrets = sensitive.values_of(
+            contract.sensitive, contract.signature, args, kwargs
+        )
+    waited = _queue_wait(request, execution.started_at)
+    if waited is not None:
+        execution.timings["queue_wait"] = waited * 1000.0
+        metrics.queue_wait_seconds.labels(task.name).observe(waited)
     request.explicit = execution
+    job_log.update(**execution.log_fields())
     return execution
+
+
+def _queue_wait(request: Any, started: datetime) -> float | None:
+    """Seconds the message waited to be run: from its publish (``explicit_sent_at``),
+    or from its ETA when it had one (a retry's backoff is not waiting in the queue)."""
+    sent_at = getattr(request, idempotency.SENT_AT_HEADER, None)
+    if not isinstance(sent_at, int | float):
+        return None
+    eta = request.eta
+    if eta:
+        with contextlib.suppress(TypeError, ValueError):
+            eta_at = eta if isinstance(eta, datetime) else datetime.fromisoformat(str(eta))
+            sent_at = max(sent_at, eta_at.timestamp())
+    return max(0.0, started.timestamp() - sent_at)
 
 
 def _through_steps(
@@ -145,7 +189,9 @@ def _through_steps(
         raise
     job = Job(task_name=task.name, request=request, execution=execution)
     for step in task.job_steps:
+        step_started = time.perf_counter()
         decision = step.before_run(job)
+        execution.timings[step.name] = (time.perf_counter() - step_started) * 1000.0
         if decision is RUN:
             state.entered.add(step.name)
             continue
@@ -187,8 +233,12 @@ def _run_handler(
     task: Any, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any], state: _Delivery
 ) -> Any:
     execution, request = job.execution, job.request
+    handler_started = time.perf_counter()
     try:
-        result = task.run_handler(*args, **kwargs)
+        try:
+            result = task.run_handler(*args, **kwargs)
+        finally:
+            execution.timings["handler"] = (time.perf_counter() - handler_started) * 1000.0
     except Retry:
         # The handler called self.retry() itself: an explicit decision, recorded.
         records.attempt(execution, request, Outcome.RETRY_SCHEDULED)
@@ -197,7 +247,7 @@ def _run_handler(
         _dead_letter(task, args, kwargs, exc, execution, "MAX_RUN_TIME")
         raise
     except IdempotencyConflict as exc:
-        metrics.duplicates_absorbed.labels(task.name, "arguments").inc()
+        metrics.idempotency_conflicts.labels(task.name, "arguments").inc()
         _dead_letter(task, args, kwargs, exc, execution, "CONFLICT")
         raise
     except LeaseLost as exc:
@@ -214,6 +264,8 @@ def _run_handler(
         raise
     if not execution.recorded:
         records.attempt(execution, request, execution.outcome or Outcome.SUCCEEDED)
+    elif execution.line_pending and execution.outcome is not None:
+        records.emit(execution, execution.outcome)
     return result
 
 
@@ -250,8 +302,20 @@ def _dead_letter(
     name: str,
 ) -> None:
     request = task.request
+    if execution.secrets:
+        # The error goes on to Celery, which logs it ("raised expected: ...") and may
+        # store it as the result: its text must not quote a sensitive value either.
+        exc.args = tuple(execution.scrub(a) if isinstance(a, str) else a for a in exc.args)
     try:
-        records.dead_letter(request, args, kwargs, exc, execution=execution, name=name)
+        records.dead_letter(
+            request,
+            args,
+            kwargs,
+            exc,
+            execution=execution,
+            name=name,
+            signature=task.contract.signature,
+        )
     except DatabaseError as db_exc:
         # The dead letter is the only copy once the message is acked: keep the
         # message instead, and try again later.

@@ -8,6 +8,7 @@ that ``django_outbox`` registers (``celery_explicit.store``).
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import logging
 import os
 import traceback as tb
@@ -15,12 +16,12 @@ from typing import Any
 
 from django.utils import timezone
 
-from celery_explicit import idempotency, metrics, store
+from celery_explicit import idempotency, job_log, metrics, sensitive, store
 from celery_explicit.errors import qualname
 from celery_explicit.execution import Execution, delivery
 from celery_explicit.outcomes import DeadLetterReason, Outcome
 
-logger = logging.getLogger("celery_explicit")
+logger = job_log.get_logger("celery_explicit")
 
 
 def attempt_fields(
@@ -95,7 +96,7 @@ def fields_of(
         finished_at=timezone.now(),
         outcome=outcome,
         error_class=qualname(exc),
-        error_message=str(exc)[:4000] if exc else note,
+        error_message=execution.scrub(str(exc)[:4000]) if exc else note,
         retry_delay=retry_delay,
         correlation_id=execution.correlation_id,
         external_request_id=execution.external_request_id,
@@ -120,6 +121,7 @@ def attempt(
     # failed: update it rather than add a second row for one attempt.
     store.get().record_attempt(fields, replace=execution.effect_row_written)
     execution.recorded = True
+    execution.line_pending = False  # this ending's line replaces the commit's
     emit(execution, outcome, exc=exc, retry_delay=retry_delay)
 
 
@@ -130,18 +132,62 @@ def emit(
     exc: BaseException | None = None,
     retry_delay: float | None = None,
 ) -> None:
-    """The attempt's metric and log line (its row is written by the caller)."""
+    """The attempt's metric and its one log line (its row is written by the caller).
+
+    INFO for an attempt that did its job or will try again, WARNING for one that ended
+    on a declared or handled failure (one line, no traceback: the dead letter keeps
+    it), ERROR with the traceback only for an error nobody classified.
+    """
+    execution.outcome = outcome  # how it ended, for whoever reads it after (a span)
     metrics.executions.labels(execution.task_name, outcome.value).inc()
     elapsed = (timezone.now() - execution.started_at).total_seconds()
-    metrics.attempt_seconds.labels(execution.task_name).observe(elapsed)
-    log(
-        f"attempt {execution.attempt} ended: {outcome.value}",
-        execution,
-        layer="execution",
-        outcome=outcome.value,
-        retry_delay=retry_delay,
-        error_class=qualname(exc) if exc else None,
+    metrics.attempt_duration_seconds.labels(execution.task_name).observe(elapsed)
+    if outcome in _JOB_ENDED:
+        metrics.attempts_per_job.labels(execution.task_name).observe(execution.attempt)
+    level = _LEVEL.get(outcome, logging.WARNING)
+    text = f"attempt {execution.attempt} ended: {outcome.value} in {elapsed * 1000:.0f} ms"
+    if exc is not None:
+        text += f" ({type(exc).__name__}: {execution.scrub(str(exc))[:200]})"
+    if retry_delay is not None:
+        text += f"; next try in {retry_delay:.2f}s"
+    if execution.deliveries > 1:
+        text += f"; delivery {execution.deliveries}"
+    logger.log(
+        level,
+        text,
+        # A traceback quotes the error as raised: not logged where it holds a secret.
+        exc_info=exc
+        if level >= logging.ERROR and exc is not None and not execution.secrets
+        else None,
+        extra={
+            **execution.log_fields(),
+            "layer": "execution",
+            "outcome": outcome.value,
+            "retry_delay": retry_delay,
+            "error_class": qualname(exc) if exc else None,
+            "duration_ms": round(elapsed * 1000.0, 3),
+            **{f"{part}_ms": round(ms, 3) for part, ms in execution.timings.items()},
+        },
     )
+
+
+#: Outcomes after which the job has no further attempt (not a retry, and not a
+#: message dropped or fenced in favour of another execution of the same job).
+_JOB_ENDED = frozenset(Outcome) - {
+    Outcome.RETRY_SCHEDULED,
+    Outcome.DEDUPLICATED,
+    Outcome.FENCED,
+}
+
+#: Log level of an attempt's line by its outcome; the rest are WARNING.
+_LEVEL = {
+    Outcome.APPLIED: logging.INFO,
+    Outcome.ALREADY_APPLIED: logging.INFO,
+    Outcome.SUCCEEDED: logging.INFO,
+    Outcome.RETRY_SCHEDULED: logging.INFO,
+    Outcome.DEDUPLICATED: logging.INFO,
+    Outcome.FAILED_UNCLASSIFIED: logging.ERROR,
+}
 
 
 def dead_letter(
@@ -152,21 +198,28 @@ def dead_letter(
     *,
     execution: Execution,
     name: str,
+    signature: inspect.Signature | None = None,
 ) -> None:
     """Keep the message as a dead letter, then record the attempt; the outcome and the
     reason share ``name``, except where the reason names the cause for the outcome's
-    failure (``_REASON_OF``). A database error escapes: the caller keeps the message."""
+    failure (``_REASON_OF``). A database error escapes: the caller keeps the message.
+
+    A task's sensitive fields are kept redacted, and their values scrubbed from the
+    error and traceback (``celery_explicit.sensitive``)."""
     reason = DeadLetterReason[_REASON_OF.get(name, name)]
+    kept_args, kept_kwargs = list(args), dict(kwargs)
+    if execution.sensitive and signature is not None:
+        kept_args, kept_kwargs = sensitive.redact(execution.sensitive, signature, args, kwargs)
     store.get().record_dead_letter(
         task_id=request.id,
         task_name=execution.task_name,
         reason=reason,
-        args=list(args),
-        kwargs=kwargs,
+        args=kept_args,
+        kwargs=kept_kwargs,
         idempotency_key=execution.key,
         error_class=qualname(exc),
-        error_message=str(exc)[:4000],
-        traceback="".join(tb.format_exception(exc)),
+        error_message=execution.scrub(str(exc)[:4000]),
+        traceback=execution.scrub("".join(tb.format_exception(exc))),
         # A message past its delivery limit never ran: its deliveries are what counted.
         attempts=int(getattr(exc, "deliveries", 0) or execution.attempt),
         correlation_id=idempotency.correlation_of(request),

@@ -27,7 +27,6 @@ call share a hash tag (``tagged``), so each call lands on one slot.
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
 import weakref
 from collections.abc import Sequence
@@ -36,7 +35,9 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
-logger = logging.getLogger("celery_explicit.redis_scripts")
+from celery_explicit import job_log
+
+logger = job_log.get_logger("celery_explicit.redis_scripts")
 
 #: Replies that say the server has no functions (Redis 6): keep to scripts. A user
 #: without the permission gets NoPermissionError, which is kept to scripts as well.

@@ -8,15 +8,14 @@ it, and a second live copy would run it twice.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_explicit import execution_lease, idempotency, ordering
+from celery_explicit import execution_lease, idempotency, job_log, ordering
 from celery_explicit.execution import Execution, delivery, running
 
-logger = logging.getLogger("celery_explicit")
+logger = job_log.get_logger("celery_explicit")
 
 #: apply_async option marking a re-publish (popped before Celery sees it): its
 #: arguments were bound and its key rendered when it started, so nothing is checked

@@ -27,9 +27,18 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from celery import Task, current_task
 
 from celery_explicit import contract as contract_mod
+from celery_explicit import (
+    correlation,
+    effects,
+    idempotency,
+    pipeline,
+    republish,
+    tracing,
+    worker_steps,
+)
 from celery_explicit import dedup as dedup_mod
-from celery_explicit import effects, idempotency, pipeline, republish, worker_steps
 from celery_explicit import ordering as ordering_mod
+from celery_explicit import sensitive as sensitive_mod
 from celery_explicit.errors import BadInput, ExplicitError
 from celery_explicit.execution import Execution, current
 from celery_explicit.request import ExplicitRequest
@@ -64,6 +73,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
     ordering_key: ClassVar[idempotency.KeyDeclaration | None] = None
     ordering_gap: ClassVar[float | None] = None
     unclassified: ClassVar[str] = "permanent"
+    sensitive: ClassVar[tuple[str, ...]] = ()
     max_attempts: ClassVar[int] = 5
     backoff_base: ClassVar[float] = 1.0
     backoff_cap: ClassVar[float] = 60.0
@@ -80,6 +90,18 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             return
         cls.contract = contract_mod.build(cls, cls.__dict__)
         cls.job_steps = pipeline.build_steps(cls.contract)
+        # Errors the task declared (and our own, dead-lettered with their reason) are
+        # expected: Celery logs them in one INFO line, no traceback, instead of
+        # "raised unexpected"; our attempt line says what happened. Only errors
+        # nobody classified keep Celery's ERROR and traceback.
+        retry = cls.contract.retry
+        throws: tuple[type[BaseException], ...] = (
+            *retry.fail_on,
+            *retry.retry_on,
+            ExplicitError,
+            *cls.__dict__.get("throws", ()),
+        )
+        cls.throws = throws  # type: ignore[assignment]  # Celery's stub says Exception
         limit = cls.contract.max_run_time
         if limit is not None and "time_limit" not in cls.__dict__:
             # Celery's soft limit raises SoftTimeLimitExceeded in the handler (recorded
@@ -146,10 +168,16 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 if owner != task_id:
                     return self.AsyncResult(owner)  # dropped: the first message's handle
                 dedup_claim = (dedup_id, task_id)
-            if idempotency.CORRELATION_HEADER not in headers and current_task:
-                correlation = getattr(current_task.request, idempotency.CORRELATION_HEADER, None)
-                if correlation:
-                    headers[idempotency.CORRELATION_HEADER] = correlation
+            # Born here, at the first publish, unless the caller's context (a web
+            # request, the running job) has one.
+            headers.setdefault(idempotency.CORRELATION_HEADER, correlation.for_publish())
+        if self.contract.sensitive:
+            # What Celery logs and sends in events instead of the arguments.
+            shown_args, shown_kwargs = sensitive_mod.redact(
+                self.contract.sensitive, self.contract.signature, args or (), kwargs or {}
+            )
+            options.setdefault("argsrepr", repr(tuple(shown_args)))
+            options.setdefault("kwargsrepr", repr(shown_kwargs))
         sent_at = time.time()
         headers[idempotency.SENT_AT_HEADER] = sent_at
         # AMQP's own timestamp property (whole seconds): RabbitMQ's management API reports
@@ -159,17 +187,18 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             if order_key is not None:
                 taken_place = (order_key, ordering_mod.take_number(order_key))
                 headers.update(ordering_mod.place_headers(taken_place))
-            return super().apply_async(
-                args,
-                kwargs,
-                task_id,
-                producer,
-                link,
-                link_error,
-                shadow,
-                headers=headers,
-                **options,
-            )
+            with tracing.publish(self.name, task_id, headers) as task_id:
+                return super().apply_async(
+                    args,
+                    kwargs,
+                    task_id,
+                    producer,
+                    link,
+                    link_error,
+                    shadow,
+                    headers=headers,
+                    **options,
+                )
         except BaseException:
             if taken_place is not None:
                 # Never published: the jobs behind it in its entity must not wait for it.

@@ -17,18 +17,17 @@ first call per app adds the steps, later ones do nothing.
 
 from __future__ import annotations
 
-import logging
 import sys
 import weakref
 from typing import Any
 
 from celery import bootsteps, signals
 
-from celery_explicit import store
+from celery_explicit import job_log, store, worker_metrics
 from celery_explicit.conf import settings
 from celery_explicit.lease import LeaseKeeper
 
-logger = logging.getLogger("celery_explicit.worker_steps")
+logger = job_log.get_logger("celery_explicit.worker_steps")
 #: Our checks' ids start with this (the app's checks, registered by django_outbox).
 CHECK_PREFIX = "django_outbox."
 
@@ -68,6 +67,12 @@ def install(app: Any) -> None:
     app.steps["consumer"].add(LeaseKeeper)
     _installed.add(app)
     signals.worker_init.connect(refuse_on_check_errors, dispatch_uid=__name__ + ".checks")
+    # EXPLICIT_WORKER_METRICS_PORT: the pool's metrics, served by the main process.
+    signals.worker_init.connect(worker_metrics.on_worker_init, dispatch_uid=__name__ + ".m")
+    signals.worker_ready.connect(worker_metrics.on_worker_ready, dispatch_uid=__name__ + ".m")
+    signals.worker_process_shutdown.connect(
+        worker_metrics.on_worker_process_shutdown, dispatch_uid=__name__ + ".m"
+    )
 
 
 def refuse_on_check_errors(sender: Any = None, **_: Any) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import uuid
+import json
 from typing import Any
 
 from django.contrib import admin, messages
@@ -16,14 +16,12 @@ from django.urls import URLPattern, path
 from django.utils import timezone
 from django.utils.html import format_html
 
-from django_outbox import admin_job, dashboard, dead_letters
+from django_outbox import admin_job, admin_replay, dashboard, dead_letters
 from django_outbox.conf import settings
 from django_outbox.models import (
     Attempt,
     Dashboard,
     DeadLetter,
-    DeadLetterReason,
-    DeadLetterStatus,
     Fence,
     OutboxEvent,
     OutboxStatus,
@@ -258,7 +256,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
         Django's own convention (as ``delete_selected``): the action posted without
         ``post=yes`` shows this page; its button posts again with ``post=yes``.
         """
-        rows = [_plan(letter, action) for letter in queryset.order_by("pk")]
+        rows = [admin_replay.plan(letter, action) for letter in queryset.order_by("pk")]
         context = {
             **self.admin_site.each_context(request),
             "title": f"{action.capitalize()} dead letters: are you sure?",
@@ -271,46 +269,6 @@ class DeadLetterAdmin(ReadOnlyAdmin):
         return TemplateResponse(
             request, "admin/django_outbox/deadletter/confirm_action.html", context
         )
-
-
-def _plan(letter: DeadLetter, action: str) -> dict[str, Any]:
-    """One row of the confirmation page: what will happen to ``letter``, or why not."""
-    row: dict[str, Any] = {"letter": letter, "refusal": "", "will": "", "applied": None}
-    if action == "discard":
-        if letter.status != DeadLetterStatus.OPEN:
-            row["refusal"] = f"it is {letter.status}, not open: it will not be discarded"
-        else:
-            row["will"] = "closed as discarded; the row stays as evidence"
-        return row
-    row["refusal"] = dead_letters.replay_refusal(letter)
-    if letter.reason == DeadLetterReason.CONFLICT and letter.idempotency_key:
-        # The conflict beside the new arguments: what the ledger holds for the key
-        # (its fingerprint, and the arguments where an outbox row kept them).
-        applied = ProcessedOperation.objects.filter(key=letter.idempotency_key).first()
-        if applied is not None:
-            source = OutboxEvent.objects.filter(event_id=_uuid_or_none(applied.task_id)).first()
-            row["applied"] = {
-                "row": applied,
-                "at": _ms(applied.processed_at),
-                "arguments": (
-                    f"args={source.args!r} kwargs={source.kwargs!r}"
-                    if source is not None
-                    else "not stored (only their fingerprint is)"
-                ),
-            }
-    if not row["refusal"]:
-        row["will"] = (
-            f"published again to {dead_letters.replay_destination(letter)} with key "
-            f"{letter.idempotency_key!r} and a new task id; its attempts link back here"
-        )
-    return row
-
-
-def _uuid_or_none(value: str) -> uuid.UUID | None:
-    try:
-        return uuid.UUID(value)
-    except ValueError:
-        return None
 
 
 @admin.register(OutboxEvent)
@@ -340,6 +298,25 @@ class OutboxEventAdmin(ReadOnlyAdmin):
     @admin.display(description="last error")
     def error(self, event: OutboxEvent) -> str:
         return event.last_error[:120]
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[Any]:
+        # The row keeps a task's sensitive arguments (the relay publishes from it);
+        # the page shows them redacted.
+        shown = {"args": "arguments", "kwargs": "keyword_arguments"}
+        return [
+            shown.get(f, f) if isinstance(f, str) else f for f in super().get_fields(request, obj)
+        ]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[Any]:
+        return [*super().get_readonly_fields(request, obj), "arguments", "keyword_arguments"]
+
+    @admin.display(description="args")
+    def arguments(self, event: OutboxEvent) -> str:
+        return json.dumps(admin_replay.shown_arguments(event)[0])
+
+    @admin.display(description="kwargs")
+    def keyword_arguments(self, event: OutboxEvent) -> str:
+        return json.dumps(admin_replay.shown_arguments(event)[1])
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
@@ -373,7 +350,19 @@ class OutboxEventAdmin(ReadOnlyAdmin):
 
 @admin.register(Dashboard)
 class DashboardAdmin(ReadOnlyAdmin):
-    """The dashboard, in the admin index's list (``django_outbox.dashboard``)."""
+    """The dashboard, in the admin index's list (``django_outbox.dashboard``), and the
+    metrics of the stored state beside it (``django_outbox.metrics_view``)."""
+
+    def get_urls(self) -> list[URLPattern]:
+        from django_outbox.metrics_view import metrics_view
+
+        # Not wrapped in admin_view: Prometheus has no session; the view checks its
+        # bearer token (EXPLICIT_METRICS_TOKEN) and answers 404 while none is set.
+        # Before the model's own patterns, whose last one takes any path as an id.
+        return [
+            path("metrics/", metrics_view, name="django_outbox_dashboard_metrics"),
+            *super().get_urls(),
+        ]
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return bool(request.user.has_perm("django_outbox.view_attempt")) or bool(

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import logging
 from collections.abc import Mapping
 from typing import Any
 
 from django.db import DatabaseError, connections
 
+from celery_explicit import job_log
 from celery_explicit.records import attempt_fields
 from celery_explicit.store import Statement
 from django_outbox.conf import settings
 from django_outbox.models import Attempt
 
-logger = logging.getLogger("django_outbox.audit")
+logger = job_log.get_logger("django_outbox.audit")
 
 # The row's columns are built by the job path's recorder; kept importable from here.
 __all__ = ["attempt_fields", "insert_statement", "record_attempt"]

@@ -55,7 +55,6 @@ Lua scripts (each with its KEYS/ARGV contract) in ``cache_scripts``, their count
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -68,6 +67,7 @@ from django.core.cache import caches
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django_redis.client import ShardClient
 
+from celery_explicit import job_log
 from django_outbox.cache_keys import FieldValue, KeyTemplate, base_key
 from django_outbox.cache_scripts import BUMP, FILL, FILL_WITH_LEASE, READ_OR_LEASE, run_script
 from django_outbox.cache_stats import CacheStats, Counts
@@ -86,7 +86,7 @@ __all__ = [
     "CacheConfigError",
 ]
 
-logger = logging.getLogger("django_outbox.cache")
+logger = job_log.get_logger("django_outbox.cache")
 
 T = TypeVar("T")
 

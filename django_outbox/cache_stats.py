@@ -25,7 +25,7 @@ fills = Counter(
     "newer version (versioned) or the fill lease was invalidated (cache-aside).",
     ["cache", "outcome"],
 )
-stale_seen = Counter(
+cache_stale = Counter(
     "explicit_cache_stale_total",
     "Times the cache held a version older than the source's, as seen by a fill after a "
     "miss or by verify(). Divide by explicit_cache_compared_total for a rate.",
@@ -76,8 +76,8 @@ class Counts:
             "invalidation_failures": invalidation_failures.labels(name),
         }
         self._stale = {
-            "fill": stale_seen.labels(name, "fill"),
-            "verify": stale_seen.labels(name, "verify"),
+            "fill": cache_stale.labels(name, "fill"),
+            "verify": cache_stale.labels(name, "verify"),
         }
 
     def add(self, what: str) -> None:

@@ -11,11 +11,6 @@ a million rows.
 
 from __future__ import annotations
 
-import base64
-import json
-import time
-import urllib.parse
-import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -30,8 +25,8 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from kombu.exceptions import OperationalError
 
-from celery_explicit import idempotency
 from celery_explicit.outcomes import Outcome
+from django_outbox import queues
 from django_outbox.conf import settings
 from django_outbox.models import Attempt, DeadLetter, OutboxEvent, OutboxStatus
 
@@ -193,74 +188,16 @@ def _live() -> dict[str, Any]:
 
 
 def _queue_depths(app: Any) -> list[dict[str, Any]]:
-    """Messages waiting in each queue the app knows (default and configured), by a
-    passive declare on a channel of its own (RabbitMQ closes a channel whose passive
-    declare finds no queue), and the age of the oldest one where it can be read."""
-    names = {str(app.conf.task_default_queue or "celery")}
-    names.update(getattr(q, "name", str(q)) for q in (app.conf.task_queues or ()))
-    depths = []
-    with app.connection_for_read() as conn:
-        # One quick try: a broker that is down must not hold the page.
-        conn.ensure_connection(max_retries=1)
-        for name in sorted(n for n in names if n):
-            channel = conn.channel()
-            try:
-                _, count, _ = channel.queue_declare(queue=name, passive=True)
-                oldest = _oldest_age(conn, channel, name) if count else None
-            except conn.channel_errors:
-                count, oldest = 0, None  # no such queue yet: nothing waits in it
-            finally:
-                channel.close()
-            depths.append({"name": name, "depth": int(count), "oldest": oldest})
-    return depths
-
-
-def _oldest_age(conn: Any, channel: Any, queue: str) -> str:
-    """The age of the message that has waited longest, read without taking it.
-
-    On Redis the queue is a list that kombu pushes on the left and pops from the right,
-    so the oldest message is its last element; its ``explicit_sent_at`` header (set on
-    every ExplicitTask publish) says when it was sent. AMQP has no way to look at a
-    message without taking it (a get and a requeue would mark it redelivered), so on
-    RabbitMQ the management API's ``head_message_timestamp`` is read: the AMQP
-    ``timestamp`` property every ExplicitTask publish sets.
-    """
-    if conn.transport.driver_type == "amqp":
-        return _rabbitmq_head_age(conn, queue)
-    if conn.transport.driver_type != "redis":
-        return "not readable on this transport"
-    raw = channel.client.lindex(queue, -1)
-    if raw is None:
-        return "-"
-    try:
-        headers = json.loads(raw).get("headers") or {}
-        sent_at = float(headers[idempotency.SENT_AT_HEADER])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return "unknown (not sent by an ExplicitTask)"
-    return age_text(max(0.0, time.time() - sent_at))
-
-
-def _rabbitmq_head_age(conn: Any, queue: str) -> str:
-    base = settings.rabbitmq_management_url
-    if base.lower() == "off":
-        return "not read (EXPLICIT_RABBITMQ_MANAGEMENT_URL is off)"
-    if not base:
-        base = f"http://{conn.hostname or '127.0.0.1'}:15672"
-    vhost = urllib.parse.quote(conn.virtual_host or "/", safe="")
-    url = f"{base.rstrip('/')}/api/queues/{vhost}/{urllib.parse.quote(queue, safe='')}"
-    request = urllib.request.Request(url)
-    token = base64.b64encode(f"{conn.userid or 'guest'}:{conn.password or 'guest'}".encode())
-    request.add_header("Authorization", "Basic " + token.decode())
-    try:
-        # One second at most: a management API that is down must not hold the page.
-        with urllib.request.urlopen(request, timeout=1.0) as response:
-            info = json.load(response)
-    except (OSError, ValueError) as exc:
-        return f"unknown (RabbitMQ's management API at {base} did not answer: {exc})"
-    sent_at = info.get("head_message_timestamp")
-    if not isinstance(sent_at, (int, float)):
-        return "unknown (its head message has no timestamp: not sent by an ExplicitTask)"
-    return age_text(max(0.0, time.time() - sent_at))
+    """Messages waiting in each queue the app knows, and the age of the oldest, in
+    words (``django_outbox.queues`` reads them)."""
+    return [
+        {
+            "name": q.name,
+            "depth": q.depth,
+            "oldest": (age_text(q.oldest_age) if q.oldest_age is not None and q.depth else q.why),
+        }
+        for q in queues.queue_states(app)
+    ]
 
 
 def age_text(seconds: float) -> str:

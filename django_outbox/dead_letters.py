@@ -16,6 +16,7 @@ from django.db import transaction
 from django.db.models import Min
 from django.utils import timezone
 
+from celery_explicit import sensitive
 from celery_explicit.idempotency import KEY_HEADER, REPLAY_HEADER, SENT_AT_HEADER
 from django_outbox.conf import settings
 from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, DeadLetterStatus
@@ -132,6 +133,14 @@ def replay_refusal(letter: DeadLetter) -> str:
         return (
             f"dead letter {letter.pk} ({letter.task_name}) is {letter.status}, "
             "not open: not replayed"
+        )
+    redacted = sensitive.holds_redacted(letter.args, letter.kwargs)
+    if redacted:
+        return (
+            f"dead letter {letter.pk} ({letter.task_name}) was kept with its sensitive "
+            f"arguments redacted ({', '.join(redacted)}): a replay would run with "
+            "'[redacted]' in their place, so it is not replayed. Publish the job again "
+            "from its source"
         )
     if letter.reason == DeadLetterReason.CONFLICT:
         # Its key's effect was applied with other arguments: the replay would meet

@@ -27,7 +27,6 @@ publishes at once and a failure raises to the caller; a durable one is refused
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,12 +37,12 @@ from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 from prometheus_client import Counter
 
-from celery_explicit import idempotency
+from celery_explicit import correlation, idempotency, job_log
 from celery_explicit.errors import BadInput, qualname
 from django_outbox import outbox
 from django_outbox.conf import settings
 
-logger = logging.getLogger("django_outbox.dispatch")
+logger = job_log.get_logger("django_outbox.dispatch")
 
 published = Counter(
     "explicit_dispatch_published_total",
@@ -57,7 +56,7 @@ publish_failed = Counter(
     "layer): each one is a lost job. durable=True would have kept it in the outbox.",
     ["task", "error_class"],
 )
-durable_written = Counter(
+dispatch_durable = Counter(
     "explicit_dispatch_durable_total",
     "Tasks dispatch(durable=True) wrote to the outbox (delivery layer).",
     ["task"],
@@ -107,10 +106,15 @@ def dispatch(
             ordering_key=ordering_key,
             using=using,
         )
-        durable_written.labels(task.name).inc()
+        dispatch_durable.labels(task.name).inc()
         return event_id
 
     _check_encodable(task, call_args, call_kwargs)
+    # Taken now, in the caller's context: the callback runs at commit, where the
+    # request that caused it may no longer be current.
+    headers = dict(publish_options.get("headers") or {})
+    headers.setdefault(idempotency.CORRELATION_HEADER, correlation.for_publish())
+    publish_options["headers"] = headers
     task_id = str(uuid.uuid4())
     alias = using or settings.database
     if not connections[alias].in_atomic_block:

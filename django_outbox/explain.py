@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -20,9 +19,13 @@ from typing import Any
 from django.db.models import Q
 
 from celery_explicit.outcomes import Outcome
+from django_outbox import verdict
 from django_outbox.conf import settings
 from django_outbox.errors import OutboxError
 from django_outbox.models import Attempt, DeadLetter, Fence, OutboxEvent, ProcessedOperation
+from django_outbox.verdict import stamp
+
+__all__ = ["ExplainError", "Event", "Explanation", "explain", "stamp"]
 
 #: Keys listed for one business id at most; a wider search should be narrowed.
 MAX_MATCHES = 20
@@ -71,11 +74,6 @@ def explain(what: str) -> list[Explanation]:
     known = {task_id for explanation in found for task_id in explanation.task_ids}
     found += [_explain_task(task_id) for task_id in task_ids if task_id not in known]
     return found
-
-
-def stamp(at: datetime) -> str:
-    """A timestamp with milliseconds, in UTC (what every line of a timeline shows)."""
-    return at.strftime("%Y-%m-%d %H:%M:%S.") + f"{at.microsecond // 1000:03d}"
 
 
 # --- finding the jobs ----------------------------------------------------------------
@@ -216,7 +214,7 @@ def _explanation(
         key=key,
         task_ids=all_tasks,
         events=events,
-        verdict=_verdict(attempts, ledger, letters, fences),
+        verdict=verdict.verdict(attempts, ledger, letters, fences),
     )
 
 
@@ -255,7 +253,7 @@ def _attempt_event(attempt: Attempt, attempts: list[Attempt]) -> Event:
     if runs_of_same and runs_of_same[0] is attempt and attempt.published_via:
         notes.append(f"published {attempt.published_via.replace('_', ' ')}")
     if attempt.deferrals:
-        notes.append("deferred before: " + _deferral_text(attempt.deferrals))
+        notes.append("deferred before: " + verdict.deferral_text(attempt.deferrals))
     error = f" {attempt.error_class}" if attempt.error_class else ""
     retry = f"; retry in {attempt.retry_delay:.1f}s" if attempt.retry_delay is not None else ""
     text = (
@@ -278,16 +276,6 @@ def _attempt_event(attempt: Attempt, attempts: list[Attempt]) -> Event:
         "deferrals": attempt.deferrals or {},
     }
     return Event(attempt.started_at, "attempt", text, data)
-
-
-def _deferral_text(counts: dict[str, int]) -> str:
-    """``{"execution_lease": 2}`` as words: why the job waited, and how often."""
-    why = {
-        "ordering": "waiting for its entity's turn",
-        "execution_lease": "another execution held the job",
-        "downstream": "the downstream was busy or open",
-    }
-    return ", ".join(f"{n}x {why.get(step, step)}" for step, n in sorted(counts.items()))
 
 
 def _fence_event(fence: Fence) -> Event:
@@ -327,85 +315,3 @@ def _replay_result(letter: DeadLetter, attempts: list[Attempt], letters: list[De
         return f", which was dead-lettered again ({again[0].reason}, dead letter {again[0].pk})"
     runs = [a for a in attempts if a.task_id == letter.replayed_task_id]
     return f", which ended {runs[-1].outcome}" if runs else ", which has not run yet"
-
-
-def _holder(fence: Fence, attempts: list[Attempt]) -> str:
-    """The execution a takeover was taken from, named as its attempt row names it
-    (``worker@host pid N``) where that attempt is among the job's; the fence row keeps
-    only ``host:pid``."""
-    host, _, pid = fence.taken_over_from.rpartition(":")
-    for attempt in attempts:
-        if str(attempt.worker_pid) == pid and attempt.worker_host.rsplit("@", 1)[-1] == host:
-            return f"{attempt.worker_host} pid {pid}"
-    return fence.taken_over_from
-
-
-def _verdict(
-    attempts: list[Attempt],
-    ledger: ProcessedOperation | None,
-    letters: list[DeadLetter],
-    fences: list[Fence],
-) -> str:
-    outcomes = Counter(Outcome(a.outcome) for a in attempts)
-    applied = [a for a in attempts if a.outcome == Outcome.APPLIED]
-    if ledger is not None and applied:
-        first = applied[0]
-        effect = (
-            f"effect applied once at {stamp(ledger.processed_at)} by {first.worker_host} "
-            f"pid {first.worker_pid}"
-        )
-    elif ledger is not None:
-        effect = f"effect applied once at {stamp(ledger.processed_at)}"
-    else:
-        effect = "effect not applied"
-    open_letters = [letter for letter in letters if letter.status == "open"]
-    if ledger is None and open_letters:
-        letter = open_letters[-1]
-        error = letter.error_class.rsplit(".", 1)[-1] or "no error class"
-        effect += (
-            f": dead-lettered ({letter.reason}, {error}), "
-            f"waiting for an operator (dead letter {letter.pk})"
-        )
-    elif ledger is None and attempts and attempts[-1].outcome == Outcome.RETRY_SCHEDULED:
-        due = attempts[-1].next_attempt_at
-        effect += f" yet: a retry is due at {stamp(due)}" if due else " yet: a retry is due"
-    causes = []
-    if ledger is not None and open_letters:
-        reasons = ", ".join(f"{n} {r}" for r, n in Counter(d.reason for d in open_letters).items())
-        ids = ", ".join(str(d.pk) for d in open_letters)
-        causes.append(f"dead-lettered: {reasons} (dead letter {ids})")
-    retries = [a for a in attempts if a.outcome == Outcome.RETRY_SCHEDULED]
-    if retries:
-        errors = Counter(a.error_class.rsplit(".", 1)[-1] or "self.retry()" for a in retries)
-        causes.append(
-            f"{len(retries)} retr{'y' if len(retries) == 1 else 'ies'} after "
-            + ", ".join(f"{name}" + (f" x{n}" if n > 1 else "") for name, n in errors.items())
-        )
-    redelivered = sum(1 for a in attempts if a.redelivered)
-    if redelivered:
-        causes.append(f"{redelivered} redeliver{'y' if redelivered == 1 else 'ies'} by the broker")
-    fenced = outcomes[Outcome.FENCED]
-    if fences:
-        holders = ", ".join(_holder(f, attempts) for f in fences)
-        causes.append(
-            f"{len(fences)} lease takeover{'s' if len(fences) > 1 else ''} after the "
-            f"lease expired (from {holders})"
-        )
-    if fenced:
-        causes.append(f"{fenced} stale commit{'s' if fenced > 1 else ''} fenced")
-    absorbed = outcomes[Outcome.ALREADY_APPLIED]
-    if absorbed:
-        causes.append(f"{absorbed} duplicate execution{'s' if absorbed > 1 else ''} absorbed")
-    deferred: Counter[str] = Counter()
-    last_of_task = {a.task_id: a for a in attempts}  # counts are carried, so the last
-    for last in last_of_task.values():
-        deferred.update(last.deferrals or {})
-    if total := sum(deferred.values()):
-        why = _deferral_text(dict(deferred))
-        causes.append(f"deferred {total} time{'s' if total > 1 else ''} ({why})")
-    replays = sum(1 for a in attempts if a.replay_of is not None)
-    if replays:
-        causes.append(f"replayed from the dead letters ({replays} attempt(s))")
-    runs = len(attempts)
-    ran = f"ran {runs} time{'s' if runs != 1 else ''}" if runs else "never ran"
-    return f"{effect}; {ran}" + (f": {'; '.join(causes)}." if causes else ".")

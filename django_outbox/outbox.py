@@ -44,11 +44,11 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery import Task, current_task
+from celery import Task
 from django.db import connections
 from django.db.transaction import TransactionManagementError
 
-from celery_explicit import idempotency
+from celery_explicit import correlation, idempotency, tracing
 from celery_explicit.errors import BadInput
 from django_outbox.conf import settings
 from django_outbox.models import OutboxEvent, OutboxStatus
@@ -166,24 +166,26 @@ def write(
         check_json(task_name, field, value)
 
     event_id = uuid.uuid4()
-    if connection.vendor == "postgresql":
-        _insert_postgresql(
-            connection,
-            event_id=event_id,
-            task_name=task_name,
-            json_fields=[stored_args, stored_kwargs, all_headers, stored_options],
-            ordering_key=ordering_key,
-        )
-    else:
-        OutboxEvent.objects.using(alias).create(
-            event_id=event_id,
-            task_name=task_name,
-            args=stored_args,
-            kwargs=stored_kwargs,
-            headers=all_headers,
-            options=stored_options,
-            ordering_key=ordering_key,
-        )
+    # The trace context goes into the stored headers: the relay continues it later.
+    with tracing.outbox_write(task_name, str(event_id), idempotency_key, all_headers):
+        if connection.vendor == "postgresql":
+            _insert_postgresql(
+                connection,
+                event_id=event_id,
+                task_name=task_name,
+                json_fields=[stored_args, stored_kwargs, all_headers, stored_options],
+                ordering_key=ordering_key,
+            )
+        else:
+            OutboxEvent.objects.using(alias).create(
+                event_id=event_id,
+                task_name=task_name,
+                args=stored_args,
+                kwargs=stored_kwargs,
+                headers=all_headers,
+                options=stored_options,
+                ordering_key=ordering_key,
+            )
     return str(event_id)
 
 
@@ -283,5 +285,6 @@ def _registered_task(name: str) -> Task | None:  # type: ignore[type-arg]
 
 
 def _correlation() -> str:
-    """Inside a running task, the request that caused it (as ``ExplicitTask`` keeps it)."""
-    return idempotency.correlation_of(current_task.request) if current_task else ""
+    """The caller's correlation id (a web request's, the running job's), else a new one:
+    the outbox row is this job's first publish."""
+    return correlation.for_publish()

@@ -8,19 +8,18 @@ letter with the raw message, and the worker goes on consuming.
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 from celery import signals
 from django.db import DatabaseError
 
-from celery_explicit import metrics
+from celery_explicit import job_log, metrics
 from celery_explicit.errors import qualname
 from celery_explicit.idempotency import CORRELATION_HEADER, KEY_HEADER
 from django_outbox import dead_letters
 from django_outbox.models import DeadLetterReason
 
-logger = logging.getLogger("django_outbox.receivers")
+logger = job_log.get_logger("django_outbox.receivers")
 
 
 def _body_text(message: Any) -> str:

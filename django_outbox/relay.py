@@ -51,7 +51,6 @@ then ``run()`` returns.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import random
 from collections.abc import Callable
@@ -65,7 +64,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 from django.utils.module_loading import autodiscover_modules
 
-from celery_explicit import ordering
+from celery_explicit import job_log, ordering
 from celery_explicit.errors import qualname
 from celery_explicit.retry_policy import backoff_delay
 from django_outbox.claim import Claimed
@@ -75,8 +74,8 @@ from django_outbox.relay_broker import BrokerConnection, batch
 from django_outbox.relay_metrics import (
     broker_unavailable,
     deduplicated,
+    outbox_published,
     publish_lag,
-    published_total,
 )
 from django_outbox.relay_publish import PublishPolicy
 from django_outbox.wakeup import ListenWakeup, Wakeup, wakeup_for
@@ -84,7 +83,7 @@ from django_outbox.wakeup import ListenWakeup, Wakeup, wakeup_for
 # Importable from here as before (the management command, the tests).
 __all__ = ["Relay", "BatchResult", "Claimed", "Wakeup", "ListenWakeup"]
 
-logger = logging.getLogger("django_outbox.relay")
+logger = job_log.get_logger("django_outbox.relay")
 
 
 @dataclass
@@ -285,7 +284,7 @@ class Relay:
         result.deduplicated = len(dropped)
         now = timezone.now()
         for event in sent:
-            published_total.labels(event.task_name).inc()
+            outbox_published.labels(event.task_name).inc()
             publish_lag.observe(max(0.0, (now - event.created_at).total_seconds()))
         for event in dropped:
             deduplicated.labels(event.task_name).inc()

@@ -8,16 +8,17 @@ whole batch); on a transport without batching, messages go one by one.
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any
 
 from celery import Celery
 from kombu import exceptions as kombu_exceptions
 from kombu.exceptions import OperationalError
 
+from celery_explicit import job_log
+
 __all__ = ["BrokerConnection", "batch"]
 
-logger = logging.getLogger("django_outbox.relay")
+logger = job_log.get_logger("django_outbox.relay")
 
 # kombu >= 5.7: a pipelined batch whose flush failed (delivery uncertain).
 _BatchPublishError: type[Exception] = getattr(

@@ -2,6 +2,11 @@
 
 Dead letters are also counted in ``celery_explicit.metrics.dead_letters``, and dedup
 drops in ``explicit_dedup_dropped_total``, with every other source of them.
+
+They count in the relay's process (``manage.py outbox_relay``), not a worker's. The
+outbox's lag as an operator alerts on it (the oldest pending event's age, rising
+whether or not a relay runs) is read from the table by ``django_outbox.metrics_view``;
+``publish_lag`` here is insert-to-publish, for the events that were published.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 
 __all__ = [
-    "published_total",
+    "outbox_published",
     "publish_lag",
     "publish_failed",
     "dead_lettered",
@@ -17,7 +22,7 @@ __all__ = [
     "broker_unavailable",
 ]
 
-published_total = Counter(
+outbox_published = Counter(
     "explicit_outbox_published_total",
     "Outbox events published to the broker (delivery layer). A relay that died "
     "mid-batch publishes its events again: the consumer's idempotency absorbs them.",

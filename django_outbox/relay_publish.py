@@ -11,7 +11,6 @@ to the relay, which backs the whole batch off.
 
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,7 +21,7 @@ from celery.exceptions import QueueNotFound
 from django.db.models import F
 from django.db.models.functions import Now
 
-from celery_explicit import idempotency
+from celery_explicit import idempotency, job_log, tracing
 from celery_explicit.errors import BadInput, qualname
 from celery_explicit.metrics import dead_letters as dead_letters_total
 from celery_explicit.retry_policy import backoff_delay
@@ -34,7 +33,7 @@ from django_outbox.relay_metrics import dead_lettered, publish_failed
 
 __all__ = ["PublishPolicy"]
 
-logger = logging.getLogger("django_outbox.relay")
+logger = job_log.get_logger("django_outbox.relay")
 
 
 @dataclass(frozen=True)
@@ -72,17 +71,19 @@ class PublishPolicy:
             return OutboxStatus.DEAD_LETTER
         event_id = event.event_id
         try:
-            sent = task.apply_async(
-                tuple(event.args),
-                event.kwargs,
-                task_id=event_id,
-                producer=producer,
-                headers={idempotency.PUBLISHED_VIA_HEADER: "outbox", **event.headers},
-                # Fail fast: the relay's own backoff replaces Celery's publish retries,
-                # which would hold the whole batch (and its row locks) meanwhile.
-                retry=False,
-                **event.options,
-            )
+            # A span continuing the row's stored trace; its context replaces the stored one.
+            with tracing.relay_publish(event.task_name, str(event_id), event.headers) as headers:
+                sent = task.apply_async(
+                    tuple(event.args),
+                    event.kwargs,
+                    task_id=event_id,
+                    producer=producer,
+                    headers={idempotency.PUBLISHED_VIA_HEADER: "outbox", **headers},
+                    # Fail fast: the relay's own backoff replaces Celery's publish retries,
+                    # which would hold the whole batch (and its row locks) meanwhile.
+                    retry=False,
+                    **event.options,
+                )
         except BadInput as exc:
             self.dead_letter(
                 event, DeadLetterReason.BAD_INPUT, error_class=qualname(exc), message=str(exc)

@@ -8,15 +8,16 @@ seconds. Either way a write on the relay's stop pipe (``Relay.stop()``) ends the
 
 from __future__ import annotations
 
-import logging
 import select
 from typing import Any
+
+from celery_explicit import job_log
 
 __all__ = ["Wakeup", "ListenWakeup", "wakeup_for"]
 
 # The relay's logger: an operator filtering on "django_outbox.relay" sees the relay's
 # LISTEN troubles with the rest of its log.
-logger = logging.getLogger("django_outbox.relay")
+logger = job_log.get_logger("django_outbox.relay")
 
 
 class Wakeup:

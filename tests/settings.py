@@ -78,6 +78,26 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
+# The log tests (tests/integration/test_job_logs.py) start workers logging as a user's
+# would: "celery" is Celery's own set-up (`celery worker -l INFO`, its default format);
+# "json" is the LOGGING snippet of docs/reference.md (python-json-logger).
+_LOG_STYLE = os.environ.get("EXPLICIT_TEST_LOG_STYLE", "")
+if _LOG_STYLE == "celery":
+    CELERY_WORKER_HIJACK_ROOT_LOGGER = True
+elif _LOG_STYLE == "json":
+    LOGGING = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "json": {
+                "()": "pythonjsonlogger.json.JsonFormatter",
+                "fmt": "%(asctime)s %(levelname)s %(name)s %(process)d %(message)s",
+            }
+        },
+        "handlers": {"stdout": {"class": "logging.StreamHandler", "formatter": "json"}},
+        "root": {"handlers": ["stdout"], "level": "INFO"},
+    }
+
 EXPLICIT_CELERY_APP = "tests.celery_app.app"
 EXPLICIT_REDIS_URL = REDIS_URL
 
@@ -92,3 +112,10 @@ CACHES = {
 # The start-up refusal's escape hatch, for the test that shows it (tests/integration/
 # test_startup_checks.py); off everywhere else.
 EXPLICIT_START_DESPITE_CHECK_ERRORS = os.environ.get("EXPLICIT_TEST_START_ANYWAY") == "1"
+
+# The trace tests (tests/integration/test_tracing.py) give the worker and relay processes
+# they start an OpenTelemetry SDK provider writing spans to a file; unset, tracing is off.
+if os.environ.get("EXPLICIT_TEST_TRACE_FILE"):
+    from tests.support.tracing import install_from_env
+
+    install_from_env()

@@ -525,3 +525,41 @@ class OrderedOverrun(ExplicitTask):
 
 
 app.register_task(OrderedOverrun())
+
+
+class FanOut(ExplicitTask):
+    """Publishes one Increment per name: the jobs it causes carry its correlation id."""
+
+    name = "tests.fan_out"
+    idempotency_key = "fan_out:{op_id}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = (TransientError,)
+    fail_on = ()
+
+    def run(self, op_id: str, names: list[str], queue: str) -> None:
+        for name in names:
+            Increment().apply_async(kwargs={"name": name, "op_id": op_id}, queue=queue)
+
+
+class CardDeclined(Exception):
+    pass
+
+
+class CapturePayment(ExplicitTask):
+    """Declares its card number sensitive; a declined card quotes it in the error."""
+
+    name = "tests.capture_payment"
+    idempotency_key = "payment:{payment_id}:capture"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = (TransientError,)
+    fail_on = (CardDeclined,)
+    sensitive = ("card_number",)
+
+    def run(self, payment_id: int, card_number: str, amount: int = 1) -> None:
+        raise CardDeclined(f"card {card_number} declined for payment {payment_id}")
+
+
+app.register_task(FanOut())
+app.register_task(CapturePayment())

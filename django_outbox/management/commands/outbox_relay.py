@@ -35,6 +35,13 @@ class Command(BaseCommand):
             f"EXPLICIT_OUTBOX_POLL_INTERVAL, {settings.outbox_poll_interval:g})",
         )
         parser.add_argument(
+            "--metrics-port",
+            type=int,
+            default=None,
+            help="serve the relay's Prometheus metrics on this port (default "
+            "EXPLICIT_RELAY_METRICS_PORT; 0 is off)",
+        )
+        parser.add_argument(
             "--once",
             action="store_true",
             help="publish what is claimable now, then exit (cron, or a one-off drain)",
@@ -44,6 +51,8 @@ class Command(BaseCommand):
         # The project's Celery app is used as it is: its settings are read, never
         # written (see "The Celery app is read, never written" in django_outbox.relay).
         relay = Relay(batch_size=options["batch_size"], poll_interval=options["poll_interval"])
+        port = options["metrics_port"]
+        self._serve_metrics(settings.relay_metrics_port if port is None else port)
         if options["once"]:
             totals = relay.drain()
         else:
@@ -66,3 +75,18 @@ class Command(BaseCommand):
         )
         if options["once"] and totals.broker_error is not None:
             raise CommandError(f"broker unavailable: {totals.broker_error}")
+
+    def _serve_metrics(self, port: int) -> None:
+        """The relay's counters and publish lag (``django_outbox.relay_metrics``), from
+        this process's own registry. A port that cannot be bound is said once; the
+        relay publishes anyway (its metrics are not worth a stopped outbox)."""
+        if port <= 0:
+            return
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(port)
+        except OSError as exc:
+            self.stderr.write(f"relay metrics not served on port {port}: {exc}")
+            return
+        self.stdout.write(f"relay metrics on http://0.0.0.0:{port}/metrics")
