@@ -20,7 +20,8 @@ So before the handler runs, the execution takes a lease on its job (the task id)
 The lease lasts the task's ``visibility_timeout`` and is extended every ``T / 4`` by
 the worker's main process while the handler's process is alive and not stopped (the
 same ``LeaseKeeper`` as the visibility lease). A dead holder on this host is detected
-at once (its pid is gone) and taken over without waiting for the lease to run out.
+at once (its pid is gone, or is a zombie its parent has not reaped yet) and taken over
+without waiting for the lease to run out.
 
 State in Redis (``EXPLICIT_REDIS_URL``), the three keys of a job sharing its task id as
 their hash tag (one slot on Redis Cluster):
@@ -169,12 +170,33 @@ def _parse(value: str) -> tuple[int, str]:
     return int(fence), holder
 
 
+def process_state(pid: int) -> bytes | None:
+    """The state letter of process ``pid`` in ``/proc/<pid>/stat`` (R, S, T, Z, ...);
+    None when there is no such process or its state cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # Format: pid (comm) state ...; comm may hold spaces, so split after ')'.
+            return bytes(stat.read().rsplit(b")", 1)[1].split()[0])
+    except (OSError, IndexError):
+        return None
+
+
+def process_is_gone(pid: int) -> bool:
+    """True when process ``pid`` no longer runs: it does not exist, or it has exited and
+    its parent has not reaped it yet (a zombie, state Z, keeps its /proc entry until
+    then: a SIGKILLed pool child until the pool notices, seconds later)."""
+    state = process_state(pid)
+    if state is None:
+        return not os.path.exists(f"/proc/{pid}")  # exists but unreadable: not gone
+    return state in (b"Z", b"X", b"x")
+
+
 def _holder_is_dead(holder: str) -> bool:
-    """True when the holder ran on this host and its process no longer exists."""
+    """True when the holder ran on this host and its process no longer runs."""
     host, _, pid = holder.rpartition(":")
     if host != socket.gethostname() or not pid.isdigit():
         return False  # another host's process: only its lease running out tells
-    return not os.path.exists(f"/proc/{pid}")
+    return process_is_gone(int(pid))
 
 
 def acquire(task_id: str, *, ttl: float, client: Any | None = None) -> Taken | Held:

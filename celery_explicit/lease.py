@@ -16,11 +16,15 @@ process does that every ``T / 4`` for each message it holds, with ``T`` the task
   never redelivered, however long it runs;
 - when the worker dies the deadline stops moving: the job is visible again after ``T``
   plus one sweep (``unacked_restore_interval``), not after the global timeout;
-- a message received since the last heartbeat gets its first lease within
-  ``FIRST_LEASE_INTERVAL`` (0.1 s), not at the next heartbeat: until then it carries
-  kombu's score, and a worker killed in that gap leaves it to the global timeout.
-  (Leased at the first heartbeat instead, ``T / 4`` and up to 10 s later, a job whose
-  worker was killed in its first seconds waited the whole global timeout.)
+- a message has its lease from the moment it is delivered: the write that records it
+  as unacknowledged already scores it ``now + T - visibility_timeout``
+  (``lease_on_delivery``), so a worker killed at any moment after the delivery leaves
+  its job to ``T``, never to the global timeout. (Scored with its delivery time until
+  the keeper's first look, up to 0.1 s later, 2 of 8 whole-worker kills in a kill storm
+  left their job to the global timeout: issue 12, tests/fault/test_lease_window.py.)
+  The lease record an operator reads is written at that first look
+  (``FIRST_LEASE_INTERVAL``), which also leases any message the delivery did not (a
+  task this worker does not know);
 - a pool child that is stopped (SIGSTOP, ``T`` state in /proc) is not extended: its
   lease runs out like a dead worker's.
 
@@ -43,7 +47,9 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MethodType
 from typing import Any
 
 from celery import bootsteps
@@ -58,9 +64,9 @@ logger = job_log.get_logger("celery_explicit.lease")
 
 #: Extend every lease at this fraction of its timeout.
 HEARTBEAT_FRACTION = 0.25
-#: Seconds between looks for messages received since the last heartbeat, which get
-#: their first lease then. Short: it bounds how long a new message depends on the
-#: global timeout. Cheap: a look with nothing new sends nothing.
+#: Seconds between looks for messages received since the last heartbeat: each gets its
+#: lease record then (its lease it got on delivery, ``lease_on_delivery``). Cheap: a
+#: look with nothing new sends nothing.
 FIRST_LEASE_INTERVAL = 0.1
 
 # KEYS[1] - kombu's unacked_index sorted set
@@ -115,13 +121,50 @@ def child_is_stopped(pid: int | None) -> bool:
     """True when the pool child is stopped (SIGSTOP, a debugger): /proc state T or t."""
     if not pid:
         return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            # Format: pid (comm) state ...; comm may hold spaces, so split after ')'.
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state in (b"T", b"t")
+    return execution_lease.process_state(pid) in (b"T", b"t")
+
+
+def lease_on_delivery(qos: Any, leases: Mapping[str, float]) -> None:
+    """Give each message of a task in ``leases`` (name: its ``visibility_timeout``) its
+    lease in the very write that records it as delivered, on kombu Redis ``qos``.
+
+    kombu's ``QoS.append`` records a delivered message in one MULTI: ``ZADD
+    unacked_index {tag: time()}`` and ``HSET unacked`` (kombu/transport/redis.py,
+    ``QoS.append``, called by ``Channel.basic_consume``'s callback right after BRPOP:
+    https://github.com/celery/kombu/blob/v5.5.0/kombu/transport/redis.py). Scored with
+    its delivery time, the message would depend on the global timeout until the
+    keeper's first look. The replacement writes the same two entries in the same MULTI,
+    the score already ``now + T - visibility_timeout``: no moment in which a dead
+    worker leaves the job to the global timeout. Other messages keep kombu's method.
+
+    Replaced on the consumer's QoS object, as Celery replaces its ``can_consume``
+    (celery/worker/consumer/tasks.py). tests/integration/test_lease_on_delivery.py
+    fails if kombu's own method comes to write anything else.
+    """
+    qos.explicit_leases = dict(leases)
+    qos.append = MethodType(_append_with_lease, qos)
+
+
+def _append_with_lease(qos: Any, message: Any, delivery_tag: str) -> None:
+    """``QoS.append`` of a consumer with ``lease_on_delivery``."""
+    from kombu.transport import redis as kombu_redis
+    from kombu.utils.json import dumps
+
+    # Protocol 2 names the task in a header; a message without one keeps kombu's score
+    # and gets its lease at the keeper's first look.
+    lease = qos.explicit_leases.get((message.headers or {}).get("task"))
+    if lease is None:
+        type(qos).append(qos, message, delivery_tag)
+        return
+    delivery = message.delivery_info
+    score = time.time() + lease - float(qos.visibility_timeout)
+    raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+    with qos.pipe_or_acquire() as pipe:
+        pipe.zadd(qos.unacked_index_key, {delivery_tag: score})
+        pipe.hset(qos.unacked_key, delivery_tag, raw)
+        pipe.execute()
+    # What kombu's method does next: the in-memory record of the delivery.
+    super(kombu_redis.QoS, qos).append(message, delivery_tag)
 
 
 def contract_of(task: Any) -> Contract | None:
@@ -182,6 +225,14 @@ class LeaseKeeper(bootsteps.StartStopStep):
         interval = max(0.2, min(10.0, min(leases) * HEARTBEAT_FRACTION))
         if getattr(parent.connection.transport, "driver_type", "") == "redis":
             self._redis_broker = True
+            lease_on_delivery(
+                parent.task_consumer.channel.qos,
+                {
+                    name: contract.visibility_timeout
+                    for name, task in parent.app.tasks.items()
+                    if (contract := contract_of(task)) is not None
+                },
+            )
             self._first_tref = parent.timer.call_repeatedly(
                 FIRST_LEASE_INTERVAL, self.first_leases, (parent,)
             )
