@@ -1,11 +1,17 @@
 # Convenience targets; scripts/ holds the real commands.
-.PHONY: test demo lint bench bench-p1 bench-p1-floor bench-p2 bench-p2-ceiling bench-p3 bench-p4 bench-p5 bench-lag
+.PHONY: test demo lint chaos chaos-short bench bench-p1 bench-p1-floor bench-p2 bench-p2-ceiling bench-p3 bench-p4 bench-p5 bench-lag
 
 test:
 	./scripts/test
 
 demo:
 	./scripts/demo
+
+chaos:
+	./scripts/chaos
+
+chaos-short:
+	EXPLICIT_CHAOS=short ./scripts/chaos
 
 lint:
 	.venv/bin/ruff check . && .venv/bin/ruff format --check celery_explicit django_outbox tests bench example_project && .venv/bin/mypy && .venv/bin/lint-imports

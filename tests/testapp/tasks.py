@@ -563,3 +563,6 @@ class CapturePayment(ExplicitTask):
 
 app.register_task(FanOut())
 app.register_task(CapturePayment())
+
+# The chaos suite's workload (tests/chaos), registered with the same app.
+from tests.chaos import tasks as _chaos_tasks  # noqa: E402, F401
