@@ -151,8 +151,13 @@ def _append_with_lease(qos: Any, message: Any, delivery_tag: str) -> None:
     from kombu.utils.json import dumps
 
     # Protocol 2 names the task in a header; a message without one keeps kombu's score
-    # and gets its lease at the keeper's first look.
-    lease = qos.explicit_leases.get((message.headers or {}).get("task"))
+    # and gets its lease at the keeper's first look. The headers are the sender's: a
+    # ``task`` that is not a str (a list is unhashable) or headers that are not a dict
+    # are looked up no further, and the message goes through kombu's own method
+    # unchanged (Celery then refuses it as a task).
+    headers = message.headers
+    name = headers.get("task") if isinstance(headers, dict) else None
+    lease = qos.explicit_leases.get(name) if isinstance(name, str) else None
     if lease is None:
         type(qos).append(qos, message, delivery_tag)
         return

@@ -7,6 +7,14 @@
   ``Consumer.on_decode_error`` then logs it and acks it, and the message is gone. The
   step wraps that method so the message becomes a dead letter (reason ``bad_input``,
   raw body kept) before the ack.
+- ``RefuseMisshapen`` (below): Celery's task handler reads the task name and the
+  decoded body in the main process before any request exists (``'args' in
+  message.payload``); a body that decodes to a number or to bytes raised TypeError
+  there, which Celery treats as an unrecoverable error: the worker stopped, and the
+  unacked message came back to stop the next one. The step makes such an error
+  Celery's own ``InvalidTaskError``: the one message is rejected and dead-lettered
+  (``django_outbox.receivers``). So is a message whose headers or body nest deeper
+  than ``request.MAX_NESTING`` (see ``celery_explicit.request``), before Celery reads it.
 
 Bootsteps are Celery's documented extension point for the consumer
 (https://docs.celeryq.dev/en/stable/userguide/extending.html#consumer-bootsteps);
@@ -22,10 +30,12 @@ import weakref
 from typing import Any
 
 from celery import bootsteps, signals
+from celery.exceptions import InvalidTaskError
 
 from celery_explicit import job_log, store, worker_metrics
 from celery_explicit.conf import settings
 from celery_explicit.lease import LeaseKeeper
+from celery_explicit.request import MAX_NESTING, nested_deeper_than
 
 logger = job_log.get_logger("celery_explicit.worker_steps")
 #: Our checks' ids start with this (the app's checks, registered by django_outbox).
@@ -59,11 +69,77 @@ class RecordUndecodable(bootsteps.StartStopStep):
         parent.on_decode_error = on_decode_error
 
 
+#: What a body of the wrong shape raises in a strategy (Python's own errors on data).
+MISSHAPEN = (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError)
+
+
+class RefuseMisshapen(bootsteps.StartStopStep):
+    label = "celery_explicit: refuse a misshapen message instead of stopping the worker"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        # Celery reads a message's task name, id and body in the main process, in the
+        # handler this method builds (celery/worker/consumer/consumer.py, Consumer.
+        # create_task_handler, called by loop_args at each consumer start); it catches
+        # only InvalidTaskError, ContentDisallowed and DecodeError. Python's own errors
+        # on data of the wrong shape become InvalidTaskError for that one message.
+        original = parent.create_task_handler
+
+        def create_task_handler(*args: Any, **kwargs: Any) -> Any:
+            handler = original(*args, **kwargs)
+
+            def on_task_received(message: Any) -> Any:
+                too_deep = _too_deep(message)
+                if too_deep:
+                    return parent.on_invalid_task(None, message, InvalidTaskError(too_deep))
+                try:
+                    return handler(message)
+                except MISSHAPEN as exc:
+                    refused = InvalidTaskError(
+                        "message is not a task message Celery can read: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+                    if getattr(message, "acknowledged", False):
+                        # Already acked or rejected before it failed: only record it.
+                        signals.task_rejected.send(sender=parent, message=message, exc=refused)
+                        return None
+                    return parent.on_invalid_task(None, message, refused)
+
+            return on_task_received
+
+        parent.create_task_handler = create_task_handler
+
+
+def _too_deep(message: Any) -> str | None:
+    """Why ``message`` is nested too deep to hand on (None when it is not).
+
+    Its headers and its decoded body, which Celery's handler decodes anyway (``'args'
+    in message.payload``; kombu caches the result). A body that does not decode is left
+    to the handler, which reports that its own way.
+    """
+    headers = getattr(message, "headers", None)
+    where = "headers" if nested_deeper_than(headers) else None
+    if where is None:
+        try:
+            payload = message.payload
+        except Exception:  # the handler meets the same error and reports it its way
+            payload = None
+        where = "body" if nested_deeper_than(payload) else None
+    if where is None:
+        return None
+    name = headers.get("task") if isinstance(headers, dict) else None
+    return (
+        f"message {where} nested deeper than {MAX_NESTING} levels (lists and dicts); "
+        f"task {name if isinstance(name, str) else '?'}"
+    )
+
+
 def install(app: Any) -> None:
     """Add our consumer steps to ``app`` (once per app), and the start-up check."""
     if app in _installed:
         return
     app.steps["consumer"].add(RecordUndecodable)
+    app.steps["consumer"].add(RefuseMisshapen)
     app.steps["consumer"].add(LeaseKeeper)
     _installed.add(app)
     signals.worker_init.connect(refuse_on_check_errors, dispatch_uid=__name__ + ".checks")

@@ -16,6 +16,7 @@ from django.db import DatabaseError
 from celery_explicit import job_log, metrics
 from celery_explicit.errors import qualname
 from celery_explicit.idempotency import CORRELATION_HEADER, KEY_HEADER
+from celery_explicit.request import nested_deeper_than
 from django_outbox import dead_letters
 from django_outbox.models import DeadLetterReason
 
@@ -33,11 +34,32 @@ def _args_from_body(text: str) -> tuple[Any, Any]:
     try:
         decoded = json.loads(text)
         args, kwargs = decoded[0], decoded[1]
-    except (ValueError, TypeError, IndexError, KeyError):
+    except (ValueError, TypeError, IndexError, KeyError, RecursionError):
+        # RecursionError: a body nested deeper than json can decode is still recorded,
+        # raw, without its arguments.
+        return [], {}
+    if nested_deeper_than(args) or nested_deeper_than(kwargs):
+        # Refused for its depth (celery_explicit.request.MAX_NESTING): encoding its
+        # arguments as JSON for the record could run out of stack; the raw body is kept.
         return [], {}
     if isinstance(args, list) and isinstance(kwargs, dict):
         return args, kwargs
     return [], {}
+
+
+def _id_text(task_id: Any) -> str | None:
+    """A message's id as a dead letter's ``task_id``: a str, or an integer's text.
+
+    A message's id may be any JSON value. Anything else (a dict, a list, a bool) names
+    no message: as its text, every message with the id ``{}`` would update one dead
+    letter (``dead_letters.record`` keeps one per id), and all but the last would vanish.
+    None gives each its own letter (``unidentified-...``); the raw body is kept.
+    """
+    if isinstance(task_id, str):
+        return task_id
+    if isinstance(task_id, int) and not isinstance(task_id, bool):
+        return str(task_id)
+    return None
 
 
 def _record(
@@ -57,7 +79,7 @@ def _record(
         args, kwargs = _args_from_body(raw)
     try:
         dead_letters.record(
-            task_id=task_id,
+            task_id=_id_text(task_id),
             task_name=task_name,
             reason=reason,
             args=args,

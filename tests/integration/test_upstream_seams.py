@@ -72,7 +72,7 @@ def test_our_consumer_steps_are_added_once_per_app() -> None:
     worker_steps.install(app)
     worker_steps.install(app)
     added = set(app.steps["consumer"]) - before
-    assert added == {worker_steps.RecordUndecodable, LeaseKeeper}
+    assert added == {worker_steps.RecordUndecodable, worker_steps.RefuseMisshapen, LeaseKeeper}
 
 
 @pytest.mark.parametrize("global_prefix", ["", "seam-prefix:"])
