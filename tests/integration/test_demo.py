@@ -55,11 +55,17 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     assert (
         "with the lease heartbeat: 1 execution(s), 0 redelivered; warehouse asked to ship 1 time(s)"
     ) in out
-    assert (
-        "without it (what Celery alone does): 2 execution(s), 1 redelivered; warehouse "
-        "asked to ship 1 time(s)"
-    ) in out
-    assert out.count(": fenced - ") == 1
+    # Without the heartbeat each delivery's lease runs out T after it: the job (longer
+    # than T) is delivered again, once or more, and every stale commit is fenced.
+    without = re.search(
+        r"without it \(what Celery alone does\): (\d+) execution\(s\), (\d+) redelivered; "
+        r"warehouse asked to ship 1 time\(s\)",
+        out,
+    )
+    assert without, out
+    runs, redelivered = int(without.group(1)), int(without.group(2))
+    assert runs >= 2 and redelivered == runs - 1
+    assert len(re.findall(r": fenced( \(redelivered\))? - ", out)) == runs - 1
     assert "ran in this order: 1, 2, 3, 4" in out
     assert "status=delivered (event 4)" in out
     # Read through the versioned cache before and after the events: the bumps after
@@ -72,9 +78,10 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     explained = out.split("\n9. manage.py explain ")[1]
     verdict = next(line for line in explained.splitlines() if "verdict:" in line)
     assert "effect applied once at" in verdict
-    assert "ran 2 times" in verdict
-    assert "1 stale commit fenced" in verdict
-    assert "1 lease takeover" in verdict
+    assert f"ran {runs} times" in verdict
+    fenced = runs - 1
+    assert f"{fenced} stale commit{'s' if fenced > 1 else ''} fenced" in verdict
+    assert "lease takeover" in verdict
     # Two rebuilds of one report: the lease lock kept them apart (the second waited in
     # retries, each naming the lock error), and each write carried a larger token.
     lock_part = out.split("\n8. ")[1]
