@@ -94,6 +94,15 @@ class Settings:
     #: Base and cap (seconds) of the relay's capped exponential backoff, full jitter.
     outbox_backoff_base: Setting[float] = Setting(0.5, float)
     outbox_backoff_cap: Setting[float] = Setting(30.0, float)
+    #: Seconds after its publish with no trace of a worker receiving it (no attempt,
+    #: ledger row, dead letter or lease) and its queue past it, before the relay
+    #: publishes an event again (``django_outbox.reconcile``); 0 is off.
+    outbox_reconcile_after: Setting[float] = Setting(300.0, float)
+    #: Publishes again of one event before it is dead-lettered (``not_received``).
+    outbox_reconcile_limit: Setting[int] = Setting(3, int)
+    #: Events older than this (seconds since their publish) are not looked at: the
+    #: attempt trail they would be checked against may have been pruned.
+    outbox_reconcile_horizon: Setting[float] = Setting(86400.0, float)
 
     #: RabbitMQ's management API, for the dashboard's oldest-message age (AMQP cannot
     #: look at a message without taking it). Unset: the broker's host, port 15672 and

@@ -37,6 +37,7 @@ class DeadLetterReason(models.TextChoices):
     DELIVERY_LIMIT = "delivery_limit", "delivered more than max_deliveries times"
     MAX_RUN_TIME = "max_run_time", "ran longer than max_run_time"
     UNKNOWN_TASK = "unknown_task", "no such task is registered"
+    NOT_RECEIVED = "not_received", "published, never received by a worker"
 
 
 __all__ = ["DeadLetterReason", "Outcome"]

@@ -283,6 +283,15 @@ class OutboxEvent(models.Model):
     published_at = models.DateTimeField(null=True, blank=True)
     attempts = models.PositiveIntegerField(default=0, help_text="publish attempts")
     last_error = models.TextField(blank=True, default="")
+    # django_outbox.reconcile: when a worker's trace of the job was found (the event is
+    # not looked at again), and how often it was published again for want of one.
+    checked_at = models.DateTimeField(
+        null=True, blank=True, help_text="a worker's trace of its job was found"
+    )
+    # db_default: django_outbox.outbox inserts rows with SQL of its own.
+    republished = models.PositiveSmallIntegerField(
+        default=0, db_default=0, help_text="published again: no worker had received it"
+    )
 
     # The queryset's methods, and the relay's claim (django_outbox.claim).
     objects = OutboxEventManager.from_queryset(OutboxEventQuerySet)()
@@ -322,6 +331,13 @@ class OutboxEvent(models.Model):
                 fields=["published_at"],
                 condition=Q(status=OutboxStatus.PUBLISHED),
                 name="django_outbox_ev_pub_idx",
+            ),
+            # django_outbox.reconcile: published events no worker's trace was found for
+            # yet (as small as the last reconcile_after seconds of publishes).
+            models.Index(
+                fields=["published_at"],
+                condition=Q(status=OutboxStatus.PUBLISHED, checked_at__isnull=True),
+                name="django_outbox_ev_unchecked_idx",
             ),
         ]
 

@@ -45,16 +45,21 @@ def queue_states(app: Any) -> list[QueueState]:
         # One quick try: a broker that is down must not hold the page or the scrape.
         conn.ensure_connection(max_retries=1)
         for name in sorted(n for n in names if n):
-            channel = conn.channel()
-            try:
-                _, count, _ = channel.queue_declare(queue=name, passive=True)
-                age, why = _oldest_age(conn, channel, name) if count else (0.0, "")
-            except conn.channel_errors:
-                count, age, why = 0, 0.0, ""  # no such queue yet: nothing waits in it
-            finally:
-                channel.close()
-            states.append(QueueState(name=name, depth=int(count), oldest_age=age, why=why))
+            states.append(queue_state(conn, name))
     return states
+
+
+def queue_state(conn: Any, name: str) -> QueueState:
+    """One queue's depth and oldest message age, on an open connection."""
+    channel = conn.channel()
+    try:
+        _, count, _ = channel.queue_declare(queue=name, passive=True)
+        age, why = _oldest_age(conn, channel, name) if count else (0.0, "")
+    except conn.channel_errors:
+        count, age, why = 0, 0.0, ""  # no such queue yet: nothing waits in it
+    finally:
+        channel.close()
+    return QueueState(name=name, depth=int(count), oldest_age=age, why=why)
 
 
 def _oldest_age(conn: Any, channel: Any, queue: str) -> tuple[float | None, str]:

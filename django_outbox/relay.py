@@ -70,6 +70,7 @@ from celery_explicit.retry_policy import backoff_delay
 from django_outbox.claim import Claimed
 from django_outbox.conf import settings
 from django_outbox.models import OutboxEvent, OutboxStatus
+from django_outbox.reconcile import Reconciled, Reconciler
 from django_outbox.relay_broker import BrokerConnection, batch
 from django_outbox.relay_metrics import (
     broker_unavailable,
@@ -152,6 +153,8 @@ class Relay:
             backoff_cap=self.backoff_cap,
             rng=self._rng,
         )
+        # Published events no worker received are published again (django_outbox.reconcile).
+        self.reconciler = Reconciler.from_settings(self.app, self.using)
         # The registry decides what is unknown: import every app's tasks module the
         # way Django's autodiscovery (and manage.py check) does.
         autodiscover_modules("tasks")
@@ -185,6 +188,8 @@ class Relay:
                     self._back_off(outages, "broker unavailable", result.broker_error)
                     continue
                 outages = 0
+                if self.reconciler.due():
+                    self.reconcile()
                 if result.claimed == 0 or (result.claimed < self.batch_size and not result.keyed):
                     # Nothing more is claimable now: a short batch without ordering
                     # keys took everything pending (a commit since then has its NOTIFY
@@ -205,6 +210,20 @@ class Relay:
             totals.add(result)
             if result.claimed == 0 or result.broker_error is not None:
                 return totals
+
+    def reconcile(self) -> Reconciled | None:
+        """One reconciliation pass; a database outage waits for the next one."""
+        try:
+            return self.reconciler.run_once()
+        except DatabaseError as exc:
+            logger.warning(
+                "outbox reconcile: database unavailable (%s: %s); next pass tries again",
+                qualname(exc),
+                exc,
+                extra={"layer": "delivery", "error_class": qualname(exc)},
+            )
+            connections[self.using].close()
+            return None
 
     def stop(self) -> None:
         """Finish the batch in hand, then return from ``run()``. Safe in a signal handler."""

@@ -7,16 +7,18 @@ the business row committed, then a bare ``apply_async`` whose failure is logged 
 ignored. Append-only keeps what Redis held across a restart, so what that control
 loses is what it tried to publish while Redis was down.
 
-Known to fail at full scale (1 job lost in each of 3 runs of 5 restarts; rarely at the
-short scale): kombu's Redis transport takes a message with BRPOP and records it in
-``unacked`` with a second command; a restart between the two keeps the pop (the
-append-only file has the job's LPUSH, then an RPOP as the last command before the
-restart, and no HSET of its delivery tag ever) and the message is gone. The outbox had
-marked it published; nothing in the project brings it back yet. The test fails then,
-as it must: the invariant is the project's promise, not kombu's.
+kombu's Redis transport takes a message with BRPOP and records it in ``unacked`` with
+a second command; a restart between the two keeps the pop (the append-only file has
+the job's LPUSH, then an RPOP as the last command before the restart, and no HSET of
+its delivery tag ever) and the message is gone: about one job in five restarts, seen
+before the relay reconciled. The outbox had marked it published; the relay's
+reconciliation (``django_outbox.reconcile``, here after ``RECONCILE_AFTER`` seconds)
+finds no worker's trace of it, sees its queue has moved past it, and publishes it
+again. The row's figure "published again" counts those.
 
 A figure, not an invariant: the same broker *without* persistence loses on one restart
-every message it held, and the outbox cannot help (the relay marked them published).
+every message it held (the relay had marked them published; reconciliation would bring
+them back after its default 300 s, which this figure does not wait for).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ TAIL = 1.0  # seconds of writes after the last restart
 PACE = (0.02, 0.05)  # seconds between two writes of each producer
 SETTLE = 90.0  # generous: a worker's reconnect backs off up to 30 s (kombu)
 VOLATILE_JOBS = scaled(50, 200)
+#: Seconds before a relay publishes again an event no worker received (django_outbox.
+#: reconcile): short, so the job a restart lost comes back within SETTLE.
+RECONCILE_AFTER = 5.0
 
 
 class Restarts(threading.Thread):
@@ -91,7 +96,15 @@ def test_r2_broker_restarts_under_the_outbox(
         )
         workers.start()
         relays = [
-            start_relay("--batch-size", "20", "--poll-interval", "0.2", broker_url=broker.url)
+            start_relay(
+                "--batch-size",
+                "20",
+                "--poll-interval",
+                "0.2",
+                "--reconcile-after",
+                str(RECONCILE_AFTER),
+                broker_url=broker.url,
+            )
             for _ in range(2)
         ]
         outbox = Producer(run_id, queue, broker.url, "outbox")
@@ -116,6 +129,7 @@ def test_r2_broker_restarts_under_the_outbox(
             raise restarts.error
 
         settled = settle(outbox, control, backlog)
+        republished = sum(OutboxEvent.objects.values_list("republished", flat=True))
         workers.stop()
         counts = history.check(outbox.run)
         # For a failing run: which jobs, to find their messages in the broker's AOF.
@@ -148,6 +162,7 @@ def test_r2_broker_restarts_under_the_outbox(
             "all applied after last restart (s)": _rounded(backlog.applied_after),
             "dead-lettered": counts.dead_lettered,
             "lost jobs": lost_jobs or "-",
+            "published again (reconcile)": republished,
             "worker crashes (restarted)": workers.crashes,
             "no appendonly, 1 SIGKILL restart: messages kept": f"{kept} of {held}",
         },
@@ -164,15 +179,8 @@ def test_r2_broker_restarts_under_the_outbox(
         seconds=round(time.monotonic() - started, 1),
     )
     row.save()
-    # The issue's invariant is row.ok (0 lost), and the table says so. What the test
-    # asserts is that, and nothing worse than the one loss we know and cannot close
-    # here: kombu's Redis transport pops a message (BRPOP) and records it unacked in a
-    # second command; a restart between the two loses the message the worker was
-    # fetching (seen in the AOF: popped, never recorded; celery/kombu#305). At most one
-    # such job per restart; every other job committed through the outbox arrived.
     assert row.control_failed, row
-    assert counts.duplicates == 0 and not outbox.commit_errors, row
-    assert counts.lost <= restarts.done, (row, lost_jobs)
+    assert row.holds, (row, lost_jobs)
 
 
 def settle(outbox: Producer, control: Producer, backlog: Backlog) -> bool:

@@ -42,6 +42,14 @@ class Command(BaseCommand):
             "EXPLICIT_RELAY_METRICS_PORT; 0 is off)",
         )
         parser.add_argument(
+            "--reconcile-after",
+            type=float,
+            default=None,
+            help="seconds after its publish before an event no worker received is "
+            "published again (default EXPLICIT_OUTBOX_RECONCILE_AFTER, "
+            f"{settings.outbox_reconcile_after:g}; 0 is off; django_outbox.reconcile)",
+        )
+        parser.add_argument(
             "--once",
             action="store_true",
             help="publish what is claimable now, then exit (cron, or a one-off drain)",
@@ -51,6 +59,13 @@ class Command(BaseCommand):
         # The project's Celery app is used as it is: its settings are read, never
         # written (see "The Celery app is read, never written" in django_outbox.relay).
         relay = Relay(batch_size=options["batch_size"], poll_interval=options["poll_interval"])
+        if options["reconcile_after"] is not None:
+            if options["reconcile_after"] < 0:
+                raise CommandError(
+                    f"--reconcile-after must be 0 (off) or more seconds, not "
+                    f"{options['reconcile_after']:g}"
+                )
+            relay.reconciler.after = options["reconcile_after"]
         port = options["metrics_port"]
         self._serve_metrics(settings.relay_metrics_port if port is None else port)
         if options["once"]:
@@ -63,7 +78,8 @@ class Command(BaseCommand):
                 self.stdout.write(
                     f"outbox relay ready: database {relay.using!r}, batch "
                     f"{relay.batch_size}, wake-up: {wakeup.kind}, poll every "
-                    f"{relay.poll_interval:g}s"
+                    f"{relay.poll_interval:g}s, reconcile "
+                    + (f"after {relay.reconciler.after:g}s" if relay.reconciler.enabled else "off")
                 )
                 self.stdout.flush()
 
