@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from django.conf import settings as django_settings
+from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class Setting(Generic[T]):
         self.name = ""
 
     def __set_name__(self, owner: type, attribute: str) -> None:
+        self.attribute = attribute
         self.name = PREFIX + attribute.upper()
 
     @overload
@@ -55,9 +57,23 @@ class Setting(Generic[T]):
             value = getattr(django_settings, self.name, _MISSING)
         if value is _MISSING and self.env:
             value = os.environ.get(self.name, _MISSING)
-        if value is _MISSING or value is None:
-            return self.default
-        return self.cast(value)
+        result = self.default if value is _MISSING or value is None else self.cast(value)
+        if django_settings.configured and not self.env:
+            # Kept on the instance, which then answers without this method: a job reads
+            # a dozen settings, and a Django setting that is not set costs an
+            # AttributeError each time. ``setting_changed`` (override_settings, the
+            # test ``settings`` fixture) empties it. Switches that an environment
+            # variable may turn are read every time.
+            obj.__dict__[self.attribute] = result
+        return result
+
+
+def _forget(**_: Any) -> None:
+    """``setting_changed``: read every setting again."""
+    settings.__dict__.clear()
+
+
+setting_changed.connect(_forget, dispatch_uid="celery_explicit.conf")
 
 
 class Settings:
@@ -82,6 +98,10 @@ class Settings:
     #: (``django_outbox.E*``: a contract, the broker's backstop, pickle). True: it
     #: starts anyway and logs them as warnings (an escape hatch, not a default).
     start_despite_check_errors: Setting[bool] = Setting(False, _flag)
+    #: A worker refuses to start on a Celery or kombu outside the tested ranges
+    #: (``celery_explicit.versions.TESTED``). True: it starts, logs one warning, and
+    #: ``manage.py check`` reports ``django_outbox.W005`` (an override, not a default).
+    allow_untested_versions: Setting[bool] = Setting(False, _flag)
     #: Events one relay claims, publishes and marks in one transaction.
     outbox_batch_size: Setting[int] = Setting(100, int)
     #: Seconds an idle relay waits before looking again (with LISTEN/NOTIFY a commit

@@ -81,6 +81,16 @@ def test_settings_are_read_at_call_time(settings_override: Any) -> None:
     assert settings.outbox_batch_size == 7
 
 
+def test_a_remembered_setting_is_forgotten_when_a_setting_changes(settings_override: Any) -> None:
+    assert settings.outbox_max_attempts == 10
+    assert "outbox_max_attempts" in vars(settings)  # remembered: no lookup next time
+    settings_override.EXPLICIT_OUTBOX_MAX_ATTEMPTS = 3  # sends setting_changed
+    assert "outbox_max_attempts" not in vars(settings)
+    assert settings.outbox_max_attempts == 3
+    settings_override.EXPLICIT_OUTBOX_MAX_ATTEMPTS = 5
+    assert settings.outbox_max_attempts == 5
+
+
 def test_only_switches_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EXPLICIT_KEY_PREFIX", "from-env:")
     assert settings.key_prefix == "explicit:"
