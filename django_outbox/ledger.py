@@ -190,13 +190,18 @@ class _RoundTrips:
     """
 
     def __init__(self, connection: Any, raw: Any) -> None:
-        import psycopg
         from psycopg import pq
 
         self._connection = connection
         self._raw = raw
-        self._mogrify = psycopg.ClientCursor(raw).mogrify
         self._escape = pq.Escaping(raw.pgconn).escape_literal
+
+    def _mogrify(self, sql: str, params: Sequence[Any]) -> str:
+        """psycopg's client-side binding: for the values ``_literal`` leaves to it (a
+        cursor made on demand: most jobs never need one)."""
+        import psycopg
+
+        return str(psycopg.ClientCursor(self._raw).mogrify(sql, params))
 
     def begin_and_claim(self, sql: str, params: Sequence[Any]) -> bool:
         """True when the claim (``INSERT ... RETURNING``) returned its row: it won."""
@@ -224,7 +229,7 @@ class _RoundTrips:
         """
         literals = [_literal(value, self._escape) for value in params]
         if _UNQUOTED in literals:
-            return str(self._mogrify(sql, params))
+            return self._mogrify(sql, params)
         # Our statements hold no '%' but their placeholders ('%%' would stay '%').
         return sql % tuple(literals)
 
