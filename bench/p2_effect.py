@@ -47,20 +47,51 @@ def main() -> None:
                 eff.result_ref = key
         return len(keys) / (time.perf_counter() - start)
 
+    from django.db import connection
+
+    table = "django_outbox_processed_operation"
+    claim_sql = (
+        f"INSERT INTO {table} (key, task_name, task_id, fingerprint, result_ref, "
+        "processed_at) VALUES (%s, 'bench', %s, 'f', '', now()) "
+        "ON CONFLICT (key) DO NOTHING RETURNING key"
+    )
+    result_sql = f"UPDATE {table} SET result_ref = %s WHERE key = %s"
+
+    def by_hand(keys: list[str]) -> float:
+        """P2a's reference: effect()'s own statements (claim, the update, result_ref),
+        sent through Django's cursor inside atomic(), none of our code."""
+        start = time.perf_counter()
+        for i, key in enumerate(keys):
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(claim_sql, [key, key])
+                if cursor.fetchone() is None:
+                    continue
+                Row.objects.filter(id=i % 100).update(value=F("value") + 1)
+                cursor.execute(result_sql, [key, key])
+        return len(keys) / (time.perf_counter() - start)
+
     # Warm-up: connection, statement paths.
     bare([str(i) for i in range(200)])
     with_effect([f"warm-{i}" for i in range(200)])
+    by_hand([f"warm-hand-{i}" for i in range(200)])
 
-    bare_rates, effect_rates, dup_rates = [], [], []
+    bare_rates, effect_rates, dup_rates, hand_rates = [], [], [], []
     for _ in range(args.rounds):
         keys = [f"p2-{uuid.uuid4().hex}" for _ in range(args.ops)]
         bare_rates.append(bare(keys))
         effect_rates.append(with_effect(keys))
         dup_rates.append(with_effect(keys))  # every key is now in the ledger
+        hand_rates.append(by_hand([f"h-{key}" for key in keys]))
 
     print(summary("bare transaction.atomic() update", bare_rates))
     print(summary("effect() first run", effect_rates))
     print(summary("effect() duplicate hit", dup_rates))
+    print(summary("effect()'s statements by hand", hand_rates))
+    hand = sorted(e / h for e, h in zip(effect_rates, hand_rates, strict=True))
+    print(
+        f"P2a effect/by hand per round: {', '.join(f'{r:.3f}' for r in hand)}"
+        f"  -> median {hand[len(hand) // 2]:.3f} (target >= 0.97)"
+    )
     ratios = sorted(e / b for e, b in zip(effect_rates, bare_rates, strict=True))
     dup_cost = sorted(e / d for e, d in zip(effect_rates, dup_rates, strict=True))
     print(
@@ -70,7 +101,7 @@ def main() -> None:
     print(
         f"duplicate-hit cost / first-run cost per round: "
         f"{', '.join(f'{r:.3f}' for r in dup_cost)}"
-        f"  -> median {dup_cost[len(dup_cost) // 2]:.3f} (target <= 0.5)"
+        f"  -> median {dup_cost[len(dup_cost) // 2]:.3f} (P2c target <= 0.40)"
     )
 
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from django.db import connection, transaction
@@ -151,6 +153,68 @@ class Backlog:
         ):
             self.applied_after = elapsed
         return count
+
+    def settled(self, outbox: Producer) -> bool:
+        """Nothing pending in the outbox, and every job ``outbox`` wrote applied (the
+        figures sampled on the way)."""
+        self.sample()
+        return (
+            self.relayed_after is not None
+            and self.applied_after is not None
+            and not OutboxEvent.objects.pending().exists()
+            and history.done_count(outbox.run) >= outbox.attempted
+        )
+
+
+@dataclass
+class OutboxRig:
+    """R2's and R5's set-up: a private append-only broker Redis, two supervised workers
+    and two relays on it, a producer writing through the outbox and a control producer
+    writing the other way, and the backlog they leave."""
+
+    broker: Any
+    workers: Supervisor
+    relays: list[Any]
+    outbox: Producer
+    control: Producer
+    backlog: Backlog
+
+
+@contextmanager
+def outbox_rig(
+    start_worker: Any,
+    start_relay: Any,
+    *,
+    run: str,
+    queue: str,
+    tmp_path: Path,
+    control_path: str,
+    relay_args: tuple[str, ...],
+) -> Iterator[OutboxRig]:
+    """Start the rig; on the way out the workers are stopped (no replacements while the
+    fixture stops them) and the broker killed, whatever happened."""
+    from tests.support.servers import PrivateRedis
+
+    broker = PrivateRedis(tmp_path / "broker", durable=True).start()
+    workers: Supervisor | None = None
+    try:
+        workers = Supervisor(
+            start_worker, count=2, broker_url=broker.url, concurrency=2, broker_up=answers(broker)
+        )
+        workers.start()
+        relays = [start_relay(*relay_args, broker_url=broker.url) for _ in range(2)]
+        yield OutboxRig(
+            broker=broker,
+            workers=workers,
+            relays=relays,
+            outbox=Producer(run, queue, broker.url, "outbox"),
+            control=Producer(run + "c", queue, broker.url, control_path),
+            backlog=Backlog(run),
+        )
+    finally:
+        if workers is not None:
+            workers.stop(reraise=False)
+        broker.kill()
 
 
 class Supervisor(threading.Thread):

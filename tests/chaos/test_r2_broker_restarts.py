@@ -32,7 +32,7 @@ import pytest
 
 from django_outbox.models import OutboxEvent
 from tests.chaos import history
-from tests.chaos.business_writes import Backlog, Producer, Supervisor, answers
+from tests.chaos.business_writes import Backlog, Producer, outbox_rig
 from tests.chaos.report import Row, scaled
 from tests.support.servers import PrivateRedis
 from tests.support.waiting import wait_for
@@ -87,63 +87,58 @@ def test_r2_broker_restarts_under_the_outbox(
     start_worker, start_relay, queue, run_id, tmp_path
 ) -> None:
     started = time.monotonic()
-    broker = PrivateRedis(tmp_path / "broker", durable=True).start()
     volatile: PrivateRedis | None = None
-    workers: Supervisor | None = None
     try:
-        workers = Supervisor(
-            start_worker, count=2, broker_url=broker.url, concurrency=2, broker_up=answers(broker)
-        )
-        workers.start()
-        relays = [
-            start_relay(
+        with outbox_rig(
+            start_worker,
+            start_relay,
+            run=run_id,
+            queue=queue,
+            tmp_path=tmp_path,
+            control_path="after_commit",
+            relay_args=(
                 "--batch-size",
                 "20",
                 "--poll-interval",
                 "0.2",
                 "--reconcile-after",
                 str(RECONCILE_AFTER),
-                broker_url=broker.url,
-            )
-            for _ in range(2)
-        ]
-        outbox = Producer(run_id, queue, broker.url, "outbox")
-        control = Producer(run_id + "c", queue, broker.url, "after_commit")
-        backlog = Backlog(run_id)
-        rng = random.Random(run_id)
-        restarts = Restarts(broker, random.Random(run_id + "r"))
-        restarts.start()
-        # Both producers write in the same loop: they meet the same restarts.
-        tail_end: float | None = None
-        while tail_end is None or time.monotonic() < tail_end:
-            outbox.write()
-            control.write()
-            backlog.sample()
-            if tail_end is None and not restarts.is_alive():
-                tail_end = time.monotonic() + TAIL
-                # Drain times count from the last restart, for the jobs written before it.
-                backlog.broker_back(outbox.attempted, at=restarts.last_back)
-            time.sleep(rng.uniform(*PACE))
-        restarts.join()
-        if restarts.error is not None:
-            raise restarts.error
+            ),
+        ) as rig:
+            outbox, control, backlog = rig.outbox, rig.control, rig.backlog
+            rng = random.Random(run_id)
+            restarts = Restarts(rig.broker, random.Random(run_id + "r"))
+            restarts.start()
+            # Both producers write in the same loop: they meet the same restarts.
+            tail_end: float | None = None
+            while tail_end is None or time.monotonic() < tail_end:
+                outbox.write()
+                control.write()
+                backlog.sample()
+                if tail_end is None and not restarts.is_alive():
+                    tail_end = time.monotonic() + TAIL
+                    # Drain times count from the last restart, for the jobs written
+                    # before it.
+                    backlog.broker_back(outbox.attempted, at=restarts.last_back)
+                time.sleep(rng.uniform(*PACE))
+            restarts.join()
+            if restarts.error is not None:
+                raise restarts.error
 
-        settled = settle(outbox, control, backlog)
-        republished = sum(OutboxEvent.objects.values_list("republished", flat=True))
-        workers.stop()
-        counts = history.check(outbox.run)
-        # For a failing run: which jobs, to find their messages in the broker's AOF.
-        lost_jobs = history.lost_jobs(outbox.run)[:10]
-        missed = history.check(control.run)
-        # Relay backlog gone: the rest of the test reuses the outbox table.
-        assert [r.stop() for r in relays] == [0, 0]
+            settled = settle(outbox, control, backlog)
+            republished = sum(OutboxEvent.objects.values_list("republished", flat=True))
+            rig.workers.stop()
+            workers = rig.workers
+            counts = history.check(outbox.run)
+            # For a failing run: which jobs, to find their messages in the broker's AOF.
+            lost_jobs = history.lost_jobs(outbox.run)[:10]
+            missed = history.check(control.run)
+            # Relay backlog gone: the rest of the test reuses the outbox table.
+            assert [r.stop() for r in rig.relays] == [0, 0]
 
         volatile = PrivateRedis(tmp_path / "volatile", durable=False).start()
         held, kept = restart_without_persistence(volatile, start_relay, queue, run_id + "v")
     finally:
-        if workers is not None:  # no replacements while the fixture stops them
-            workers.stop(reraise=False)
-        broker.kill()
         if volatile is not None:
             volatile.kill()
 
@@ -190,17 +185,13 @@ def settle(outbox: Producer, control: Producer, backlog: Backlog) -> bool:
     redeliveries to show as duplicates too. The control is not awaited to a count: it
     may lose more than its failed publishes (the window described above)."""
 
-    def settled() -> bool:
-        backlog.sample()
-        return (
-            backlog.relayed_after is not None
-            and backlog.applied_after is not None
-            and not OutboxEvent.objects.pending().exists()
-            and history.done_count(outbox.run) >= outbox.attempted
-        )
-
     try:
-        wait_for(settled, timeout=SETTLE, interval=0.2, what="the backlog applied")
+        wait_for(
+            lambda: backlog.settled(outbox),
+            timeout=SETTLE,
+            interval=0.2,
+            what="the backlog applied",
+        )
         done = True
     except TimeoutError:
         done = False

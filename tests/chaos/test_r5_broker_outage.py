@@ -16,11 +16,9 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from django_outbox.models import OutboxEvent
 from tests.chaos import history
-from tests.chaos.business_writes import Backlog, Producer, Supervisor, answers
+from tests.chaos.business_writes import outbox_rig
 from tests.chaos.report import Row, scaled
-from tests.support.servers import PrivateRedis
 from tests.support.waiting import wait_for
 
 pytestmark = [
@@ -52,20 +50,16 @@ def test_r5_broker_down_under_steady_writes(
     start_worker, start_relay, queue, run_id, tmp_path
 ) -> None:
     started = time.monotonic()
-    broker = PrivateRedis(tmp_path / "broker", durable=True).start()
-    workers: Supervisor | None = None
-    try:
-        workers = Supervisor(
-            start_worker, count=2, broker_url=broker.url, concurrency=2, broker_up=answers(broker)
-        )
-        workers.start()
-        relays = [
-            start_relay("--batch-size", "50", "--poll-interval", "0.2", broker_url=broker.url)
-            for _ in range(2)
-        ]
-        outbox = Producer(run_id, queue, broker.url, "outbox")
-        control = Producer(run_id + "c", queue, broker.url, "on_commit")
-        backlog = Backlog(run_id)
+    with outbox_rig(
+        start_worker,
+        start_relay,
+        run=run_id,
+        queue=queue,
+        tmp_path=tmp_path,
+        control_path="on_commit",
+        relay_args=("--batch-size", "50", "--poll-interval", "0.2"),
+    ) as rig:
+        outbox, control, backlog = rig.outbox, rig.control, rig.backlog
         rng = random.Random(run_id)
 
         def write_for(seconds: float) -> None:
@@ -79,41 +73,33 @@ def test_r5_broker_down_under_steady_writes(
 
         failed_before = publish_failures()
         write_for(BEFORE)
-        broker.kill()
+        rig.broker.kill()
         down_at = time.monotonic()
         write_for(OUTAGE)
-        broker.start(timeout=30)
+        rig.broker.start(timeout=30)
         outage = time.monotonic() - down_at
         backlog.broker_back(outbox.attempted)
         write_for(BEFORE)
-
-        def settled() -> bool:
-            backlog.sample()
-            return (
-                backlog.relayed_after is not None
-                and backlog.applied_after is not None
-                and not OutboxEvent.objects.pending().exists()
-                and history.done_count(outbox.run) >= outbox.attempted
-            )
-
         try:
-            wait_for(settled, timeout=SETTLE, interval=0.2, what="the backlog applied")
+            wait_for(
+                lambda: backlog.settled(outbox),
+                timeout=SETTLE,
+                interval=0.2,
+                what="the backlog applied",
+            )
             drained = True
         except TimeoutError:
             drained = False
         # The control's published jobs applied too, and late redeliveries counted.
         time.sleep(3.0)
-        workers.stop()
-        assert [r.stop() for r in relays] == [0, 0]
+        rig.workers.stop()
+        assert [r.stop() for r in rig.relays] == [0, 0]
         counts = history.check(outbox.run)
         # For a failing run: which jobs, to find their messages in the broker's AOF.
         lost_jobs = history.lost_jobs(outbox.run)[:10]
         missed = history.check(control.run)
         failed = int(publish_failures() - failed_before)
-    finally:
-        if workers is not None:  # no replacements while the fixture stops them
-            workers.stop(reraise=False)
-        broker.kill()
+        workers = rig.workers
 
     row = Row(
         scenario="R5",

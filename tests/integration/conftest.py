@@ -17,3 +17,36 @@ def prefix(redis_client: redis.Redis) -> Iterator[str]:
     keys = list(redis_client.scan_iter(match=f"{p}*"))
     if keys:
         redis_client.delete(*keys)
+
+
+@pytest.fixture
+def rabbitmq_queue_with_old_head(queue: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The app pointed at RabbitMQ, this test's queue as its default, and in it two
+    messages: the head one with an AMQP timestamp of five minutes ago, then a fresh one.
+    The queue is deleted afterwards."""
+    import contextlib
+    import time
+
+    from kombu import Connection
+
+    from tests.celery_app import app
+    from tests.conftest import RABBITMQ_URL
+    from tests.testapp.tasks import Increment
+
+    monkeypatch.setitem(app.conf, "task_default_queue", queue)
+    monkeypatch.setitem(app.conf, "broker_url", RABBITMQ_URL)
+    monkeypatch.setitem(app.conf, "broker_read_url", RABBITMQ_URL)
+    task = app.tasks[Increment.name]
+    try:
+        with Connection(RABBITMQ_URL) as conn:
+            task.apply_async(
+                kwargs={"name": "q", "op_id": "1"},
+                queue=queue,
+                connection=conn,
+                timestamp=int(time.time()) - 300,
+            )
+            task.apply_async(kwargs={"name": "q", "op_id": "2"}, queue=queue, connection=conn)
+        yield queue
+    finally:
+        with Connection(RABBITMQ_URL) as conn, contextlib.suppress(Exception):
+            conn.channel().queue_delete(queue)

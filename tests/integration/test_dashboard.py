@@ -4,7 +4,6 @@ broker; the outbox's backlog."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import uuid
 
@@ -116,53 +115,30 @@ def test_each_queue_shows_its_depth_and_the_age_of_its_oldest_message(
 
 
 def test_a_rabbitmq_queue_shows_the_age_of_its_head_message(
-    staff: Client, queue: str, monkeypatch, settings
+    staff: Client, rabbitmq_queue_with_old_head: str, settings
 ) -> None:
     """AMQP cannot peek: the age comes from RabbitMQ's management API, which reports the
     head message's AMQP timestamp (set on every ExplicitTask publish)."""
-    import time
-
-    from kombu import Connection
-
-    from tests.celery_app import app
-    from tests.conftest import RABBITMQ_URL
     from tests.support.waiting import wait_for
-    from tests.testapp.tasks import Increment
 
-    monkeypatch.setitem(app.conf, "task_default_queue", queue)
-    monkeypatch.setitem(app.conf, "broker_url", RABBITMQ_URL)
-    monkeypatch.setitem(app.conf, "broker_read_url", RABBITMQ_URL)
-    task = app.tasks[Increment.name]
-    try:
-        with Connection(RABBITMQ_URL) as conn:
-            # The oldest one, as if sent five minutes ago; then a fresh one behind it.
-            task.apply_async(
-                kwargs={"name": "q", "op_id": "1"},
-                queue=queue,
-                connection=conn,
-                timestamp=int(time.time()) - 300,
-            )
-            task.apply_async(kwargs={"name": "q", "op_id": "2"}, queue=queue, connection=conn)
-        # The management API refreshes its queue figures every few seconds.
-        pages: list[str] = []
+    queue = rabbitmq_queue_with_old_head
+    # The management API refreshes its queue figures every few seconds.
+    pages: list[str] = []
 
-        def aged() -> str | None:
-            pages.append(staff.get(URL).content.decode())
-            return pages[-1] if f"{queue}: 2 waiting, oldest 5min" in pages[-1] else None
+    def aged() -> str | None:
+        pages.append(staff.get(URL).content.decode())
+        return pages[-1] if f"{queue}: 2 waiting, oldest 5min" in pages[-1] else None
 
-        html = wait_for(
-            aged,
-            timeout=20,
-            interval=1.0,
-            what="the management API's head message timestamp",
-            on_timeout=lambda: pages[-1].split("Queues:")[-1][:400],
-        )
-        assert "could not be read" not in html
+    html = wait_for(
+        aged,
+        timeout=20,
+        interval=1.0,
+        what="the management API's head message timestamp",
+        on_timeout=lambda: pages[-1].split("Queues:")[-1][:400],
+    )
+    assert "could not be read" not in html
 
-        # Turned off: said so, and the depth is still read.
-        settings.EXPLICIT_RABBITMQ_MANAGEMENT_URL = "off"
-        html = staff.get(URL).content.decode()
-        assert f"{queue}: 2 waiting, oldest not read" in html
-    finally:
-        with Connection(RABBITMQ_URL) as conn, contextlib.suppress(Exception):
-            conn.channel().queue_delete(queue)
+    # Turned off: said so, and the depth is still read.
+    settings.EXPLICIT_RABBITMQ_MANAGEMENT_URL = "off"
+    html = staff.get(URL).content.decode()
+    assert f"{queue}: 2 waiting, oldest not read" in html

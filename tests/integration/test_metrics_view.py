@@ -8,7 +8,6 @@ idempotency key) appears in the exposition.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import time
@@ -148,50 +147,32 @@ def test_dead_letters_outbox_lag_and_queues(
 
 
 def test_a_rabbitmq_queue_and_a_broker_that_is_down(
-    live_server: Any, settings: Any, queue: str, monkeypatch: Any
+    live_server: Any, settings: Any, rabbitmq_queue_with_old_head: str, monkeypatch: Any
 ) -> None:
-    from kombu import Connection
-
     from tests.celery_app import app
-    from tests.conftest import RABBITMQ_URL
     from tests.support.ports import free_port
-    from tests.testapp.tasks import Increment
 
+    queue = rabbitmq_queue_with_old_head
     settings.EXPLICIT_METRICS_TOKEN = TOKEN
     url = live_server.url + PATH
-    monkeypatch.setitem(app.conf, "task_default_queue", queue)
-    monkeypatch.setitem(app.conf, "broker_url", RABBITMQ_URL)
-    monkeypatch.setitem(app.conf, "broker_read_url", RABBITMQ_URL)
-    task = app.tasks[Increment.name]
-    try:
-        with Connection(RABBITMQ_URL) as conn:
-            task.apply_async(
-                kwargs={"name": "q", "op_id": "1"},
-                queue=queue,
-                connection=conn,
-                timestamp=int(time.time()) - 300,
-            )
 
-        # The management API refreshes its queue figures every few seconds.
-        def aged() -> Samples | None:
-            samples = parse(get(url)[1])
-            age = value(samples, "explicit_queue_oldest_message_age_seconds", queue=queue)
-            return samples if age is not None and age >= 300 else None
+    # The management API refreshes its queue figures every few seconds.
+    def aged() -> Samples | None:
+        samples = parse(get(url)[1])
+        age = value(samples, "explicit_queue_oldest_message_age_seconds", queue=queue)
+        return samples if age is not None and age >= 300 else None
 
-        samples = wait_for(aged, timeout=20, interval=1.0, what="the head message's timestamp")
-        assert value(samples, "explicit_queue_depth", queue=queue) == 1
+    samples = wait_for(aged, timeout=20, interval=1.0, what="the head message's timestamp")
+    assert value(samples, "explicit_queue_depth", queue=queue) == 2
 
-        # The broker down: said by source_up, the database's gauges still there.
-        down = f"amqp://guest:guest@127.0.0.1:{free_port()}//"
-        monkeypatch.setitem(app.conf, "broker_url", down)
-        monkeypatch.setitem(app.conf, "broker_read_url", down)
-        status, text = get(url)
-        samples = parse(text)
-        assert status == 200
-        assert value(samples, "explicit_metrics_source_up", source="broker") == 0
-        assert value(samples, "explicit_metrics_source_up", source="database") == 1
-        assert value(samples, "explicit_queue_depth", queue=queue) is None
-        assert value(samples, "explicit_outbox_backlog") == 0
-    finally:
-        with Connection(RABBITMQ_URL) as conn, contextlib.suppress(Exception):
-            conn.channel().queue_delete(queue)
+    # The broker down: said by source_up, the database's gauges still there.
+    down = f"amqp://guest:guest@127.0.0.1:{free_port()}//"
+    monkeypatch.setitem(app.conf, "broker_url", down)
+    monkeypatch.setitem(app.conf, "broker_read_url", down)
+    status, text = get(url)
+    samples = parse(text)
+    assert status == 200
+    assert value(samples, "explicit_metrics_source_up", source="broker") == 0
+    assert value(samples, "explicit_metrics_source_up", source="database") == 1
+    assert value(samples, "explicit_queue_depth", queue=queue) is None
+    assert value(samples, "explicit_outbox_backlog") == 0
