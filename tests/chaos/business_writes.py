@@ -1,6 +1,6 @@
 """The business writes of the broker scenarios (R2, R5): a producer in the test process
 that, per job, commits the business row (``chaos_publish``) and hands the job
-(``tasks_broker.BrokerJob``) to the broker one of three ways; a sampler of the outbox
+(``tasks.ChaosJob``) to the broker one of three ways; a sampler of the outbox
 backlog; a supervisor that restarts workers.
 
 - ``outbox``: ``dispatch(durable=True)`` in the business transaction; the relay
@@ -33,7 +33,7 @@ from kombu import Connection
 from django_outbox.dispatch import dispatch
 from django_outbox.models import OutboxEvent
 from tests.chaos import history
-from tests.chaos.tasks_broker import BrokerJob
+from tests.chaos.tasks import ChaosJob
 
 HOWS = ("outbox", "on_commit", "after_commit")
 
@@ -63,14 +63,12 @@ class Producer:
             if self.how == "outbox":
                 with transaction.atomic():
                     history.record_published(self.run, [job])
-                    dispatch(
-                        BrokerJob(), kwargs=kwargs, durable=True, options={"queue": self.queue}
-                    )
+                    dispatch(ChaosJob(), kwargs=kwargs, durable=True, options={"queue": self.queue})
             elif self.how == "on_commit":
                 with self._connection() as conn, transaction.atomic():
                     history.record_published(self.run, [job])
                     dispatch(
-                        BrokerJob(),
+                        ChaosJob(),
                         kwargs=kwargs,
                         options={"queue": self.queue, "retry": False, "connection": conn},
                     )
@@ -90,7 +88,7 @@ class Producer:
     def _publish_and_shrug(self, kwargs: dict[str, object]) -> None:
         try:
             with self._connection() as conn:
-                BrokerJob().apply_async(
+                ChaosJob().apply_async(
                     kwargs=kwargs, queue=self.queue, connection=conn, retry=False
                 )
         except Exception:

@@ -42,7 +42,7 @@ def publish_failures() -> float:
         for metric in REGISTRY.collect()
         if metric.name == "explicit_dispatch_publish_failed"
         for sample in metric.samples
-        if sample.name.endswith("_total") and sample.labels.get("task") == "chaos.broker_job"
+        if sample.name.endswith("_total") and sample.labels.get("task") == "chaos.job"
     )
 
 
