@@ -288,6 +288,7 @@ class OutboxEventAdmin(ReadOnlyAdmin):
         "attempts",
         "available_at",
         "published_at",
+        "republished",
         "error",
     )
     list_filter = ("status", "task_name")
