@@ -145,6 +145,8 @@ def emit(
     if outcome in _JOB_ENDED:
         metrics.attempts_per_job.labels(execution.task_name).observe(execution.attempt)
     level = _LEVEL.get(outcome, logging.WARNING)
+    if not logger.isEnabledFor(level):
+        return  # a worker at -l WARNING: the INFO line is not built for nobody
     text = f"attempt {execution.attempt} ended: {outcome.value} in {elapsed * 1000:.0f} ms"
     if exc is not None:
         text += f" ({type(exc).__name__}: {execution.scrub(str(exc))[:200]})"
