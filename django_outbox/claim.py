@@ -47,7 +47,11 @@ __all__ = [
 ]
 
 # PostgreSQL. The head-of-key test is the NOT EXISTS; the lock is the last line of the
-# CTE. The partial indexes on pending rows (id; ordering_key, id) serve both scans.
+# CTE. The partial indexes on pending rows (id; ordering_key, id) serve both scans. The
+# claimed ids are handed to the outer SELECT as one array, read through the primary
+# key: with ``IN (SELECT id FROM claimed)`` the planner, which guesses 200 rows for a
+# CTE, hash-joined it against a scan of the whole table (33 ms for 500 events out of a
+# 20,000-event backlog, against 0.9 ms; each batch cost more the longer the backlog).
 CLAIM_POSTGRESQL = """
 WITH claimed AS MATERIALIZED (
     SELECT event.id
@@ -67,7 +71,7 @@ SELECT event.id, event.event_id, event.task_name, event.args, event.kwargs,
        event.headers, event.options, event.ordering_key, event.attempts,
        event.created_at
 FROM django_outbox_event AS event
-WHERE event.id IN (SELECT id FROM claimed)
+WHERE event.id = ANY(ARRAY(SELECT id FROM claimed))
 ORDER BY event.id
 """
 
@@ -124,11 +128,36 @@ class Claimed:
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> Claimed:
         id_, event_id, task_name, args, kwargs, headers, options, key, attempts, created = row
+        if type(args) is type(kwargs) is type(headers) is type(options) is str:
+            # Django's psycopg setup hands jsonb over as text: one parse for the four.
+            args, kwargs, headers, options = json.loads(f"[{args},{kwargs},{headers},{options}]")
+        else:
+            args, kwargs = _json(args), _json(kwargs)
+            headers, options = _json(headers), _json(options)
+        if (
+            isinstance(args, list)
+            and isinstance(kwargs, dict)
+            and isinstance(headers, dict)
+            and isinstance(options, dict)
+        ):
+            # Every row the relay writes: straight in (a relay builds 500 a batch).
+            return cls(
+                id_,
+                str(event_id),
+                task_name,
+                args,
+                kwargs,
+                headers,
+                options,
+                key,
+                attempts,
+                _aware(created),
+            )
         values = {
-            "args": (_json(args), list),
-            "kwargs": (_json(kwargs), dict),
-            "headers": (_json(headers), dict),
-            "options": (_json(options), dict),
+            "args": (args, list),
+            "kwargs": (kwargs, dict),
+            "headers": (headers, dict),
+            "options": (options, dict),
         }
         wrong = [
             f"{name} is {type(value).__name__}, not {kind.__name__}"
@@ -184,6 +213,8 @@ class OutboxEventManager(models.Manager["OutboxEvent"]):
 
 
 def _aware(value: datetime | str) -> datetime:
+    if isinstance(value, datetime) and value.tzinfo is not None:
+        return value  # PostgreSQL's timestamptz
     # SQLite hands a raw cursor a naive datetime (or text): stored in UTC (USE_TZ).
     parsed = parse_datetime(value) if isinstance(value, str) else value
     if parsed is None:

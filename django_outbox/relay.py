@@ -18,23 +18,22 @@ same job id, ``already_applied``. An event that keeps failing holds its ordering
 back until ``EXPLICIT_OUTBOX_MAX_ATTEMPTS``, then goes to the dead letters and the key
 moves on.
 
-**Why ``task.apply_async`` and not ``app.send_task``.** ``apply_async`` is exactly what
-a direct publish would have done: the task's own routing and options (``queue``,
-``priority``, its serializer) apply, and an ExplicitTask binds the arguments, sets
-the ``idempotency_key`` header and claims its dedup id with the code that does it
-for every publish. ``send_task`` knows only a name. It also means the relay's registry
-decides: a task name it does not know goes to the dead letters (``unknown_task``)
-instead of to a queue no worker reads.
+**What ``task.apply_async`` would have sent, not ``app.send_task``.** Each event goes
+out as the message its task's ``apply_async`` sends: the task's own routing and options
+(``queue``, ``priority``, its serializer) apply, and an ExplicitTask binds the arguments
+and sets the ``idempotency_key`` header (``BadInput`` is dead-lettered). ``send_task``
+knows only a name. It also means the relay's registry decides: a task name it does not
+know goes to the dead letters (``unknown_task``) instead of to a queue no worker reads.
+For speed, ``django_outbox.relay_publish.CeleryMessages`` builds that message itself
+(Celery's ``create_task_message`` and ``send_task_message``, settings read once a
+batch); a task that claims Redis state at publish (a dedup id, an ordering number) or
+publishes in a way of its own still goes through ``apply_async``.
 
-**The Celery app is read, never written.** Celery's settings are looked up through
-``task.app.conf`` by Celery itself at each publish, as in any other process. The relay
-used to copy every resolved setting into ``app.conf`` to save those look-ups (about 12
-µs each through ``namespace="CELERY"`` and Django's settings, six per message): that
-turned each default into a project setting in the app's ``changes`` and hid later
-changes of Django's settings from the app. No publish argument can carry those values
-instead: ``Task.apply_async``, ``send_task`` and the message builder read
-``task_always_eager``, ``task_send_sent_event``, ``task_repr_maxlevels`` and
-``broker_pool_acquire_timeout`` from the app themselves.
+**The Celery app is read, never written.** Celery's settings are read from
+``task.app.conf`` (once a batch, by the relay's message builder), as in any other
+process. The relay used to copy every resolved setting into ``app.conf`` to save those
+look-ups: that turned each default into a project setting in the app's ``changes`` and
+hid later changes of Django's settings from the app.
 
 **Failures.** The broker down (or the Redis that holds dedup ids): nothing of that
 batch is marked published, the relay backs off (capped, full jitter) and tries again
@@ -53,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -78,13 +78,32 @@ from django_outbox.relay_metrics import (
     outbox_published,
     publish_lag,
 )
-from django_outbox.relay_publish import PublishPolicy
+from django_outbox.relay_publish import CeleryMessages, PublishPolicy
 from django_outbox.wakeup import ListenWakeup, Wakeup, wakeup_for
 
 # Importable from here as before (the management command, the tests).
 __all__ = ["Relay", "BatchResult", "Claimed", "Wakeup", "ListenWakeup"]
 
 logger = job_log.get_logger("django_outbox.relay")
+
+# The marks of one batch (status published or deduplicated), in the batch's
+# transaction, with the batch's commit told not to wait for the WAL flush: a mark lost
+# in a server crash leaves its event pending, and it is published again (at least
+# once, as after a relay crash); the flush was the largest cost of a small batch. One
+# round trip for both: a statement with parameters cannot share an execute() with
+# another, so every value is a literal (the ids are integers read from the table, the
+# status one of ours). published_at is set only when published, as the ORM update did,
+# and to the statement's time as Django's Now() does: now() is the transaction's start,
+# before the messages were sent, and the reconciler compares published_at with the
+# time a queue's oldest message was sent (django_outbox.reconcile).
+_MARK_POSTGRESQL = f"""
+SET LOCAL synchronous_commit TO OFF;
+UPDATE {OutboxEvent._meta.db_table}
+SET status = '{{status}}',
+    attempts = attempts + 1,
+    published_at = {{published_at}}
+WHERE id = ANY('{{{{{{ids}}}}}}'::bigint[])
+"""
 
 
 @dataclass
@@ -153,6 +172,7 @@ class Relay:
             backoff_cap=self.backoff_cap,
             rng=self._rng,
         )
+        self._messages: CeleryMessages | None = None
         # Published events no worker received are published again (django_outbox.reconcile).
         self.reconciler = Reconciler.from_settings(self.app, self.using)
         # The registry decides what is unknown: import every app's tasks module the
@@ -266,6 +286,7 @@ class Relay:
             with ordering.record_numbers() as taken:
                 try:
                     producer = self._broker.producer()
+                    self._messages = self.policy.messages(producer)
                     # max_size: a whole batch in one pipeline (two commands a message at
                     # most).
                     with batch(producer, max_size=2 * len(events) + 1):
@@ -290,23 +311,19 @@ class Relay:
                         sent.clear()
                         self._give_back_numbers(taken)
                     self._broker.close()
-            if connections[self.using].vendor == "postgresql":
-                # The marks need not wait for the WAL flush: lost in a server crash,
-                # they leave their events pending, and those are published again (at
-                # least once, as after a relay crash). The flush was the largest cost
-                # of a small batch.
-                with connections[self.using].cursor() as cursor:
-                    cursor.execute("SET LOCAL synchronous_commit TO OFF")
             self._mark(sent, OutboxStatus.PUBLISHED)
             self._mark(dropped, OutboxStatus.DEDUPLICATED)
         result.published = len(sent)
         result.deduplicated = len(dropped)
         now = timezone.now()
         for event in sent:
-            outbox_published.labels(event.task_name).inc()
             publish_lag.observe(max(0.0, (now - event.created_at).total_seconds()))
-        for event in dropped:
-            deduplicated.labels(event.task_name).inc()
+        # Counted per task once a batch: a labelled counter's look-up costs more than
+        # its increment.
+        for name, count in Counter(event.task_name for event in sent).items():
+            outbox_published.labels(name).inc(count)
+        for name, count in Counter(event.task_name for event in dropped).items():
+            deduplicated.labels(name).inc(count)
         if sent:
             logger.debug("published %d outbox events", len(sent), extra={"layer": "delivery"})
         return result
@@ -318,8 +335,11 @@ class Relay:
         return OutboxEvent.objects.db_manager(self.using).claim_batch(self.batch_size)
 
     def _publish(self, event: Claimed, producer: Any) -> OutboxStatus | None:
-        """Publish one event; returns its new status, None if it stays pending."""
-        return self.policy.publish(event, producer)
+        """Publish one event through this batch's ``producer``; returns its new status,
+        None if it stays pending."""
+        messages = self._messages
+        assert messages is not None, "relay_batch sets the batch's messages before publishing"
+        return self.policy.publish(event, messages)
 
     @staticmethod
     def _give_back_numbers(taken: list[tuple[str, int]]) -> None:
@@ -339,10 +359,25 @@ class Relay:
     def _mark(self, events: list[Claimed], status: OutboxStatus) -> None:
         if not events:
             return
+        ids = [e.id for e in events]
+        connection = connections[self.using]
+        if connection.vendor == "postgresql":
+            # One array of ids, not one parameter per event: the ORM's IN list of 500
+            # placeholders cost more to compile and bind than the UPDATE did to run.
+            sql = _MARK_POSTGRESQL.format(
+                status=OutboxStatus(status).value,
+                published_at="statement_timestamp()"
+                if status is OutboxStatus.PUBLISHED
+                else "published_at",
+                ids=",".join(str(int(i)) for i in ids),
+            )
+            with connection.cursor() as cursor:
+                cursor.execute(sql)
+            return
         fields: dict[str, Any] = {"status": status, "attempts": F("attempts") + 1}
         if status is OutboxStatus.PUBLISHED:
             fields["published_at"] = Now()
-        OutboxEvent.objects.using(self.using).filter(id__in=[e.id for e in events]).update(**fields)
+        OutboxEvent.objects.using(self.using).filter(id__in=ids).update(**fields)
 
     def _back_off(self, outages: int, what: str, exc: BaseException) -> None:
         delay = backoff_delay(outages, base=self.backoff_base, cap=self.backoff_cap, rng=self._rng)
