@@ -119,8 +119,12 @@ def render_key(
 
 def fingerprint(arguments: Mapping[str, Any]) -> str:
     """A stable hash of the call's arguments (JSON, sorted keys; defaults included)."""
-    blob = json.dumps(arguments, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return hashlib.sha256(_CANONICAL.encode(arguments).encode()).hexdigest()
+
+
+#: ``json.dumps(..., sort_keys=True, separators=(",", ":"), default=str)``, made once
+#: (``json.dumps`` with options builds an encoder per call).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
 
 
 def correlation_of(request: Any) -> str:

@@ -246,6 +246,8 @@ class _RoundTrips:
         return result
 
 
+#: Text written between single quotes as it is.
+_PLAIN = re.compile(r"[A-Za-z0-9 _.:@/+=,;()\[\]{}<>|#*!?~^&$-]*").fullmatch
 #: ``_literal``'s answer for a value it leaves to psycopg.
 _UNQUOTED = "\x00unquoted"
 
@@ -254,6 +256,10 @@ def _literal(value: Any, escape: Callable[[bytes], bytes]) -> str:
     """``value`` as a SQL literal, or ``_UNQUOTED`` for psycopg to write."""
     kind = type(value)
     if kind is str:
+        if _PLAIN(value):
+            # Nothing in it a literal must escape (no quote, no backslash, nothing
+            # outside printable ASCII): most keys, task names and ids.
+            return f"'{value}'"
         if "\x00" in value:
             return _UNQUOTED
         return escape(value.encode()).decode()

@@ -57,6 +57,8 @@ def test_text_reads_back_as_itself(value: str) -> None:
         "%s",
         "%%",
         "100%",
+        "order:ORD-1003:ship; DROP TABLE x --",
+        "$1 $$ {} [] <> | # * ! ? ~ ^ & () = + , @ /",
         "\u00e9\u4e2d\U0001f600",
         "",
     ],
