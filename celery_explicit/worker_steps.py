@@ -25,6 +25,7 @@ first call per app adds the steps, later ones do nothing.
 
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.exceptions import InvalidTaskError
 
-from celery_explicit import job_log, store, worker_metrics
+from celery_explicit import job_log, store, versions, worker_metrics
 from celery_explicit.conf import settings
 from celery_explicit.lease import LeaseKeeper
 from celery_explicit.request import MAX_NESTING, nested_deeper_than
@@ -142,6 +143,8 @@ def install(app: Any) -> None:
     app.steps["consumer"].add(RefuseMisshapen)
     app.steps["consumer"].add(LeaseKeeper)
     _installed.add(app)
+    # Versions first: on an untested Celery the checks themselves may not be trustworthy.
+    signals.worker_init.connect(refuse_untested_versions, dispatch_uid=__name__ + ".versions")
     signals.worker_init.connect(refuse_on_check_errors, dispatch_uid=__name__ + ".checks")
     # EXPLICIT_WORKER_METRICS_PORT: the pool's metrics, served by the main process.
     signals.worker_init.connect(worker_metrics.on_worker_init, dispatch_uid=__name__ + ".m")
@@ -180,3 +183,51 @@ def refuse_on_check_errors(sender: Any = None, **_: Any) -> None:
     logger.critical(message)
     print(message, file=sys.stderr, flush=True)
     raise SystemExit(1)
+
+
+def refuse_untested_versions(sender: Any = None, **_: Any) -> None:
+    """``worker_init``: a worker on a Celery or kombu outside the tested ranges
+    (``celery_explicit.versions.TESTED``) does not start, unless
+    ``EXPLICIT_ALLOW_UNTESTED_VERSIONS`` is set.
+
+    Our bootsteps wrap Celery internals that a minor release may change; one line at
+    start-up names both versions instead of a wrong behaviour found in production.
+    ``SystemExit`` ends ``celery worker`` with status 1 (see ``refuse_on_check_errors``).
+    """
+    app = getattr(sender, "app", None)
+    if app is None or app not in _installed:
+        return
+    line = versions.untested_line(versions.installed())
+    if line is None:
+        return
+    if settings.allow_untested_versions:
+        logger.warning(
+            "starting with untested versions (EXPLICIT_ALLOW_UNTESTED_VERSIONS): %s", line
+        )
+        return
+    message = (
+        f"worker refuses to start: {line}; "
+        "set EXPLICIT_ALLOW_UNTESTED_VERSIONS = True to start anyway"
+    )
+    logger.critical(message)
+    # One line on the terminal: printed only when the log record did not go there.
+    if not _logged_to_stderr(logger.logger):
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def _logged_to_stderr(log: logging.Logger) -> bool:
+    """Whether a CRITICAL record of ``log`` reaches stderr: a stream handler on its way
+    up writes there, or no handler at all does and ``logging.lastResort`` (stderr) takes
+    it. At ``worker_init`` Celery has not set up its logging yet: usually the latter."""
+    current: logging.Logger | None = log
+    handled = False
+    while current is not None:
+        for handler in current.handlers:
+            handled = True
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr:
+                return True
+        if not current.propagate:
+            break
+        current = current.parent
+    return not handled and logging.lastResort is not None

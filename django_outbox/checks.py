@@ -13,6 +13,8 @@
 - W002 kombu's restore sweep runs less often than a task's lease: a dead worker's job
   waits for the sweep, not for its own lease
 - E006 an outbox setting (``EXPLICIT_OUTBOX_*``) the relay cannot run with
+- W005 the installed Celery or kombu is outside the tested ranges: a worker refuses to
+  start, or starts only because ``EXPLICIT_ALLOW_UNTESTED_VERSIONS`` overrides it
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from django.core import checks
 from django.db import connections
 from django.utils.module_loading import autodiscover_modules
 
+from celery_explicit import versions
 from celery_explicit.errors import ContractError
 from django_outbox.conf import settings
 
@@ -273,4 +276,35 @@ def check_outbox_settings(
             id="django_outbox.E006",
         )
         for problem in problems
+    ]
+
+
+@checks.register("django_outbox")
+def check_versions(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """W005: Celery or kombu outside the tested ranges (``celery_explicit.versions``).
+
+    A warning, not an error: the worker refuses to start by itself
+    (``worker_steps.refuse_untested_versions``); with the override set, this is where
+    the override stays visible."""
+    line = versions.untested_line(versions.installed())
+    if line is None:
+        return []
+    if settings.allow_untested_versions:
+        return [
+            checks.Warning(
+                f"{line}; workers start anyway because EXPLICIT_ALLOW_UNTESTED_VERSIONS is set",
+                hint="Install versions in the tested ranges (docs/compatibility.md), then "
+                "remove EXPLICIT_ALLOW_UNTESTED_VERSIONS.",
+                id="django_outbox.W005",
+            )
+        ]
+    return [
+        checks.Warning(
+            f"{line}; a worker will refuse to start",
+            hint="Install versions in the tested ranges (docs/compatibility.md), or set "
+            "EXPLICIT_ALLOW_UNTESTED_VERSIONS = True to start workers anyway.",
+            id="django_outbox.W005",
+        )
     ]
