@@ -121,6 +121,11 @@ def main() -> None:
             f"floor / plain per round: {', '.join(f'{r:.3f}' for r in floors)}  -> "
             f"median {sorted(floors)[len(floors) // 2]:.3f} (the best P1 could be)"
         )
+        over_floor = [e / f for e, f in zip(explicit, floor, strict=True)]
+        print(
+            f"P1a ExplicitTask / floor per round: {', '.join(f'{r:.3f}' for r in over_floor)}"
+            f"  -> median {sorted(over_floor)[len(over_floor) // 2]:.3f} (target >= 0.95)"
+        )
 
 
 if __name__ == "__main__":

@@ -57,10 +57,9 @@ def main() -> None:
     from django.conf import settings
     from django.db.models import Sum
 
-    from bench.benchapp.models import Row
+    from bench.benchapp.models import Row, ensure_processed_table
     from bench.benchapp.peer_tasks import (
         ExplicitDedupUpdate,
-        ensure_processed_table,
         handrolled_update,
         once_update,
         singleton_update,

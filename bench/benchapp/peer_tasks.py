@@ -28,10 +28,10 @@ from typing import Any
 from celery_once import QueueOnce
 from celery_singleton import Singleton
 from django.conf import settings
-from django.db import models, transaction
+from django.db import transaction
 from django.db.models import F
 
-from bench.benchapp.models import Row
+from bench.benchapp.models import ProcessedKey, Row
 from bench.benchapp.tasks import ExplicitUpdate
 from bench.celery_app import app
 
@@ -75,31 +75,6 @@ app.register_task(ExplicitDedupUpdate())
 
 
 # --- by hand: a redis-py Lock around the body, a processed-key row in the transaction --
-
-
-class ProcessedKey(models.Model):
-    """The hand-rolled guard's ledger: one row per processed key.
-
-    Unmanaged, so that it needs no migration in the bench app: bench/peers.py creates
-    the table (``ensure_processed_table``).
-    """
-
-    key = models.CharField(max_length=255, primary_key=True)
-
-    class Meta:
-        app_label = "benchapp"
-        managed = False
-        db_table = "bench_processed_key"
-
-
-def ensure_processed_table() -> None:
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "CREATE TABLE IF NOT EXISTS bench_processed_key (key varchar(255) PRIMARY KEY)"
-        )
-        cursor.execute("TRUNCATE bench_processed_key")
 
 
 _redis: Any = None
