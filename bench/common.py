@@ -55,6 +55,28 @@ def reset_rows() -> None:
     vacuum()
 
 
+def start_worker(queue: str, *more: str) -> subprocess.Popen[bytes]:
+    """A ``celery worker`` of the bench app on ``queue`` (prefork ``-c 2``, WARNING, no
+    gossip, mingle or heartbeat), its output discarded; ``more``: further options
+    before ``-Q`` (``-I module``). WARNING level prints no "ready": the caller waits."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "bench.settings",
+        "EXPLICIT_TEST_DB_NAME": DB_NAME,
+        "PYTHONPATH": str(ROOT),
+    }
+    # fmt: off
+    command = [
+        sys.executable, "-m", "celery", "-A", "bench.celery_app", "worker", *more,
+        "-Q", queue, "-c", "2", "-P", "prefork", "--without-gossip", "--without-mingle",
+        "--without-heartbeat", "-l", "WARNING",
+    ]
+    # fmt: on
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+
+
 def summary(name: str, rates: list[float]) -> str:
     return (
         f"{name:<34} median {statistics.median(rates):9.1f}/s   "

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import time
 import uuid
 
-from common import DB_NAME, ROOT, reset_rows, setup_django, summary
+from common import reset_rows, setup_django, start_worker, summary
 
 
 def main() -> None:
@@ -43,38 +41,7 @@ def main() -> None:
 
     reset_rows()
 
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "bench.settings",
-        "EXPLICIT_TEST_DB_NAME": DB_NAME,
-        "PYTHONPATH": str(ROOT),
-    }
-    log = open(os.devnull, "w")  # noqa: SIM115
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "bench.celery_app",
-            "worker",
-            "-Q",
-            queue,
-            "-c",
-            "2",
-            "-P",
-            "prefork",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-l",
-            "WARNING",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    worker = start_worker(queue)
     time.sleep(4)  # WARNING level prints no "ready": give it time to start
 
     def total() -> int:

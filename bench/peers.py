@@ -24,7 +24,6 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import time
 import uuid
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 # A database of its own: other benchmarks reset the shared one's rows while they run.
 os.environ.setdefault("EXPLICIT_BENCH_DB", "explicit_bench_peers")
 
-from common import DB_NAME, ROOT, reset_rows, setup_django, summary
+from common import reset_rows, setup_django, start_worker, summary
 
 
 def median(values: list[float]) -> float:
@@ -127,40 +126,7 @@ def main() -> None:
         queued[name] = (second_outcome(first, second), op, 1000 + j)
 
     # --- the worker --------------------------------------------------------------------
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "bench.settings",
-        "EXPLICIT_TEST_DB_NAME": DB_NAME,
-        "PYTHONPATH": str(ROOT),
-    }
-    log = open(os.devnull, "w")  # noqa: SIM115
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "bench.celery_app",
-            "worker",
-            "-I",
-            "bench.benchapp.peer_tasks",
-            "-Q",
-            queue,
-            "-c",
-            "2",
-            "-P",
-            "prefork",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-l",
-            "WARNING",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    worker = start_worker(queue, "-I", "bench.benchapp.peer_tasks")
 
     def value(row_id: int) -> int:
         return int(Row.objects.get(id=row_id).value)

@@ -3,13 +3,12 @@ and the arguments the admin may show (a task's sensitive fields redacted)."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from celery_explicit import sensitive
 from django_outbox import dead_letters
 from django_outbox.conf import settings
-from django_outbox.explain import stamp
+from django_outbox.explain import stamp, uuid_or_none
 from django_outbox.models import (
     DeadLetter,
     DeadLetterReason,
@@ -34,7 +33,7 @@ def plan(letter: DeadLetter, action: str) -> dict[str, Any]:
         # (its fingerprint, and the arguments where an outbox row kept them).
         applied = ProcessedOperation.objects.filter(key=letter.idempotency_key).first()
         if applied is not None:
-            source = OutboxEvent.objects.filter(event_id=_uuid_or_none(applied.task_id)).first()
+            source = OutboxEvent.objects.filter(event_id=uuid_or_none(applied.task_id)).first()
             row["applied"] = {
                 "row": applied,
                 "at": stamp(applied.processed_at),
@@ -59,10 +58,3 @@ def shown_arguments(event: OutboxEvent) -> tuple[list[Any], dict[str, Any]]:
     if not fields:
         return list(event.args), dict(event.kwargs)
     return sensitive.redact(fields, signature, event.args, event.kwargs)
-
-
-def _uuid_or_none(value: str) -> uuid.UUID | None:
-    try:
-        return uuid.UUID(value)
-    except ValueError:
-        return None

@@ -25,7 +25,7 @@ from django_outbox.errors import OutboxError
 from django_outbox.models import Attempt, DeadLetter, Fence, OutboxEvent, ProcessedOperation
 from django_outbox.verdict import stamp
 
-__all__ = ["ExplainError", "Event", "Explanation", "explain", "stamp"]
+__all__ = ["ExplainError", "Event", "Explanation", "explain", "stamp", "uuid_or_none"]
 
 #: Keys listed for one business id at most; a wider search should be narrowed.
 MAX_MATCHES = 20
@@ -106,7 +106,7 @@ def _resolve(query: str) -> tuple[list[str], list[str]]:
     ]
     if by_task:
         return by_task, []
-    if _is_uuid(query):
+    if uuid_or_none(query) is not None:
         if (
             letters.filter(task_id=query).exists()
             or OutboxEvent.objects.using(db).filter(event_id=query).exists()
@@ -141,12 +141,12 @@ def _keys_of(attempt_filter: Q, ledger_filter: Q | None) -> list[str]:
     return sorted(keys)
 
 
-def _is_uuid(value: str) -> bool:
+def uuid_or_none(value: str) -> uuid.UUID | None:
+    """``value`` as a UUID (an outbox event id, a task id), None if it is not one."""
     try:
-        uuid.UUID(value)
+        return uuid.UUID(value)
     except ValueError:
-        return False
-    return True
+        return None
 
 
 # --- one job -------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def _explanation(
 
 
 def _outbox_events(task_ids: list[str]) -> list[Event]:
-    ids = [t for t in task_ids if _is_uuid(t)]
+    ids = [t for t in task_ids if uuid_or_none(t) is not None]
     rows = OutboxEvent.objects.using(settings.database).filter(event_id__in=ids)
     events = []
     for row in rows:

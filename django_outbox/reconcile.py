@@ -56,8 +56,7 @@ from prometheus_client import Counter
 
 from celery_explicit import execution_lease, idempotency, job_log, lease, redis_state
 from celery_explicit.errors import qualname
-from celery_explicit.metrics import dead_letters as dead_letters_total
-from django_outbox import dead_letters, queues
+from django_outbox import queues
 from django_outbox.conf import settings
 from django_outbox.models import (
     Attempt,
@@ -67,6 +66,7 @@ from django_outbox.models import (
     OutboxStatus,
     ProcessedOperation,
 )
+from django_outbox.relay_publish import dead_letter_event, log_fields
 
 __all__ = ["Reconciler", "Reconciled"]
 
@@ -270,11 +270,10 @@ class Reconciler:
             waited,
             event.republished + 1,
             self.limit,
-            extra=_fields(event, republished=event.republished + 1),
+            extra=log_fields(event, republished=event.republished + 1),
         )
 
     def _dead_letter(self, event: OutboxEvent) -> None:
-        headers = event.headers if isinstance(event.headers, dict) else {}
         if event.ordering_key:
             why = (
                 f"published, never received by a worker; it has ordering key "
@@ -286,29 +285,21 @@ class Reconciler:
                 f"published {event.republished + 1} times, never received by a worker "
                 f"(EXPLICIT_OUTBOX_RECONCILE_LIMIT is {self.limit})"
             )
-        dead_letters.record(
-            task_id=str(event.event_id),
-            task_name=event.task_name,
-            reason=DeadLetterReason.NOT_RECEIVED,
-            args=event.args,
-            kwargs=event.kwargs,
-            idempotency_key=str(headers.get(idempotency.KEY_HEADER) or ""),
+        dead_letter_event(
+            event,
+            DeadLetterReason.NOT_RECEIVED,
+            using=self.using,
             error_class="django_outbox.reconcile.NotReceived",
-            error_message=why,
+            message=why,
             attempts=event.republished + 1,
-            correlation_id=str(headers.get(idempotency.CORRELATION_HEADER) or ""),
-            queue=str((event.options or {}).get("queue") or ""),
-        )
-        OutboxEvent.objects.using(self.using).filter(id=event.id).update(
-            status=OutboxStatus.DEAD_LETTER, published_at=None, last_error=why[:4000]
+            columns={"published_at": None},
         )
         not_received_total.labels(event.task_name).inc()
-        dead_letters_total.labels(event.task_name, DeadLetterReason.NOT_RECEIVED.value).inc()
         logger.error(
             "outbox event %s dead-lettered (not_received): %s",
             event.event_id,
             why,
-            extra=_fields(event, reason=DeadLetterReason.NOT_RECEIVED.value),
+            extra=log_fields(event, reason=DeadLetterReason.NOT_RECEIVED.value),
         )
 
     def _age_out(self) -> int:
@@ -368,15 +359,3 @@ def _redis_client(conn: Any) -> Any:
     if conn.transport.driver_type != "redis":
         return None
     return conn.default_channel.client
-
-
-def _fields(event: OutboxEvent, **more: Any) -> dict[str, Any]:
-    headers = event.headers if isinstance(event.headers, dict) else {}
-    return {
-        "task": event.task_name,
-        "job_id": str(event.event_id),
-        "idempotency_key": str(headers.get(idempotency.KEY_HEADER) or ""),
-        "ordering_key": event.ordering_key,
-        "layer": "delivery",
-        **more,
-    }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,7 +38,7 @@ from django_outbox.models import DeadLetterReason, OutboxEvent, OutboxStatus
 from django_outbox.relay_broker import BrokerConnection
 from django_outbox.relay_metrics import dead_lettered, publish_failed
 
-__all__ = ["CeleryMessages", "PublishPolicy"]
+__all__ = ["CeleryMessages", "PublishPolicy", "dead_letter_event", "log_fields"]
 
 logger = job_log.get_logger("django_outbox.relay")
 
@@ -158,7 +159,7 @@ class PublishPolicy:
             attempts,
             delay,
             message,
-            extra=self._fields(event, error_class=error_class, attempt=attempts),
+            extra=log_fields(event, error_class=error_class, attempt=attempts),
         )
         return None
 
@@ -166,44 +167,75 @@ class PublishPolicy:
         self, event: Claimed, reason: DeadLetterReason, *, error_class: str, message: str
     ) -> None:
         """Record the dead letter and close the event, in the batch's transaction."""
-        dead_letters.record(
-            task_id=str(event.event_id),
-            task_name=event.task_name,
-            reason=reason,
-            args=event.args,
-            kwargs=event.kwargs,
-            idempotency_key=str(event.headers.get(idempotency.KEY_HEADER) or ""),
+        dead_letter_event(
+            event,
+            reason,
+            using=self.using,
             error_class=error_class,
-            error_message=message,
+            message=message,
             attempts=event.attempts + 1,
-            correlation_id=str(event.headers.get(idempotency.CORRELATION_HEADER) or ""),
-            queue=str(event.options.get("queue") or ""),
-        )
-        OutboxEvent.objects.using(self.using).filter(id=event.id).update(
-            status=OutboxStatus.DEAD_LETTER,
-            attempts=F("attempts") + 1,
-            last_error=message[:4000],
+            columns={"attempts": F("attempts") + 1},
         )
         dead_lettered.labels(event.task_name, reason.value).inc()
-        dead_letters_total.labels(event.task_name, reason.value).inc()
         logger.error(
             "outbox event %s dead-lettered (%s): %s",
             event.event_id,
             reason.value,
             message,
-            extra=self._fields(event, error_class=error_class, reason=reason.value),
+            extra=log_fields(event, error_class=error_class, reason=reason.value),
         )
 
-    @staticmethod
-    def _fields(event: Claimed, **more: Any) -> dict[str, Any]:
-        return {
-            "task": event.task_name,
-            "job_id": str(event.event_id),
-            "idempotency_key": str(event.headers.get(idempotency.KEY_HEADER) or ""),
-            "ordering_key": event.ordering_key,
-            "layer": "delivery",
-            **more,
-        }
+
+def dead_letter_event(
+    event: Claimed | OutboxEvent,
+    reason: DeadLetterReason,
+    *,
+    using: str,
+    error_class: str,
+    message: str,
+    attempts: int,
+    columns: Mapping[str, Any] | None = None,
+) -> None:
+    """Record the dead letter of an outbox event and close its row (status
+    ``dead_letter``, ``last_error``, and ``columns``), in the caller's transaction on
+    ``using``; counted in ``explicit_dead_letters_total``. The relay and the reconciler
+    each count and log their own reason."""
+    headers = _headers(event)
+    dead_letters.record(
+        task_id=str(event.event_id),
+        task_name=event.task_name,
+        reason=reason,
+        args=event.args,
+        kwargs=event.kwargs,
+        idempotency_key=str(headers.get(idempotency.KEY_HEADER) or ""),
+        error_class=error_class,
+        error_message=message,
+        attempts=attempts,
+        correlation_id=str(headers.get(idempotency.CORRELATION_HEADER) or ""),
+        queue=str((event.options or {}).get("queue") or ""),
+    )
+    OutboxEvent.objects.using(using).filter(id=event.id).update(
+        status=OutboxStatus.DEAD_LETTER, last_error=message[:4000], **(columns or {})
+    )
+    dead_letters_total.labels(event.task_name, reason.value).inc()
+
+
+def log_fields(event: Claimed | OutboxEvent, **more: Any) -> dict[str, Any]:
+    """The fields of a log line about an outbox event; ``more`` added last."""
+    return {
+        "task": event.task_name,
+        "job_id": str(event.event_id),
+        "idempotency_key": str(_headers(event).get(idempotency.KEY_HEADER) or ""),
+        "ordering_key": event.ordering_key,
+        "layer": "delivery",
+        **more,
+    }
+
+
+def _headers(event: Claimed | OutboxEvent) -> dict[str, Any]:
+    # A claimed row's are a dict (a malformed column is replaced by an empty one); a
+    # model row's are what the column holds.
+    return event.headers if isinstance(event.headers, dict) else {}
 
 
 # --- the Celery message, built once per event -----------------------------------------

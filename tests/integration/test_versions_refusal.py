@@ -10,15 +10,13 @@ The unit tests (tests/unit/test_versions_checks.py) cover the check and the repo
 from __future__ import annotations
 
 import subprocess
-import sys
-import uuid
 
 import celery
 import kombu
 import pytest
 from django.db import connection
 
-from tests.support.processes import ROOT, project_env
+from tests.support.workers import lines_until_ready, refusal, start_checked
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
@@ -36,26 +34,14 @@ main()
 
 
 def start(mode: str) -> subprocess.Popen[str]:
-    queue = f"q-{uuid.uuid4().hex[:10]}"
-    env = project_env(db_name=connection.settings_dict["NAME"], queue=queue)
-    # fmt: off
-    command = [
-        sys.executable, "-c", WRAPPER, mode, "-A", "tests.celery_app", "worker", "-Q", queue,
-        "-c", "1", "-P", "prefork", "--without-gossip", "--without-mingle",
-        "--without-heartbeat", "-l", "INFO",
-    ]
-    # fmt: on
-    return subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    return start_checked(
+        db_name=connection.settings_dict["NAME"], program=("-c", WRAPPER, mode), stderr_apart=True
     )
 
 
 def test_a_worker_on_untested_versions_refuses_to_start_in_one_line() -> None:
     worker = start("refuse")
-    try:
-        out, err = worker.communicate(timeout=90)
-    finally:
-        worker.kill()
+    out, err = refusal(worker)
     assert worker.returncode == 1, (out + err)[-3000:]
     [line] = [x for x in err.splitlines() if "worker refuses to start" in x]
     assert (
@@ -68,18 +54,7 @@ def test_a_worker_on_untested_versions_refuses_to_start_in_one_line() -> None:
 
 def test_the_override_lets_it_start_with_one_warning() -> None:
     """The negative control: the same versions start when the setting allows them."""
-    worker = start("allow")
-    lines: list[str] = []
-    try:
-        assert worker.stderr is not None
-        # Celery logs to stderr; the worker says " ready." once consuming.
-        for line in worker.stderr:
-            lines.append(line)
-            if " ready." in line:
-                break
-    finally:
-        worker.terminate()
-        worker.communicate(timeout=30)
+    lines = lines_until_ready(start("allow"))
     out = "".join(lines)
     assert " ready." in out, out[-3000:]
     assert "refuses to start" not in out
