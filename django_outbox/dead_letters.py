@@ -24,7 +24,7 @@ from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, DeadLett
 
 def record(
     *,
-    task_id: str | None,
+    task_id: Any,
     task_name: str,
     reason: DeadLetterReason,
     args: Any = (),
@@ -44,7 +44,11 @@ def record(
     A message redelivered after a crash may fail again: it updates its row (attempts,
     last attempt, error) instead of adding a second one. ``first_seen`` is when the
     job's first recorded attempt started (retries keep the task id), else now.
+
+    ``task_id`` is whatever the message carried (``id_text``): a malformed message
+    reaches here from the worker's main process and, through protocol 1, from the task.
     """
+    task_id = id_text(task_id)
     now = timezone.now()
     first_seen = (
         Attempt.objects.using(settings.database)
@@ -174,10 +178,27 @@ def discard(letter: DeadLetter, *, by: str) -> None:
     letter.refresh_from_db()
 
 
-def text(value: str) -> str:
+def id_text(task_id: Any) -> str | None:
+    """A message's id as a dead letter's ``task_id``: a str, or an integer's text.
+
+    A message's id may be any JSON value. Anything else (a dict, a list, a bool) names
+    no message: as its text, every message with the id ``{}`` would update one dead
+    letter (``record`` keeps one per id), and all but the last would vanish. None gives
+    each its own letter (``unidentified-...``); the raw body is kept.
+    """
+    if isinstance(task_id, str):
+        return task_id
+    if isinstance(task_id, int) and not isinstance(task_id, bool):
+        return str(task_id)
+    return None
+
+
+def text(value: Any) -> str:
     """PostgreSQL text cannot hold NUL: keep it visible as ``\\x00`` instead of failing
-    to record the evidence at all."""
-    return value.replace("\x00", "\\x00")
+    to record the evidence at all. A value that is not text (a malformed message's
+    field) is kept as its text, never dropped."""
+    string = value if isinstance(value, str) else str(value)
+    return string.replace("\x00", "\\x00")
 
 
 def _jsonable(value: Any) -> Any:

@@ -47,21 +47,6 @@ def _args_from_body(text: str) -> tuple[Any, Any]:
     return [], {}
 
 
-def _id_text(task_id: Any) -> str | None:
-    """A message's id as a dead letter's ``task_id``: a str, or an integer's text.
-
-    A message's id may be any JSON value. Anything else (a dict, a list, a bool) names
-    no message: as its text, every message with the id ``{}`` would update one dead
-    letter (``dead_letters.record`` keeps one per id), and all but the last would vanish.
-    None gives each its own letter (``unidentified-...``); the raw body is kept.
-    """
-    if isinstance(task_id, str):
-        return task_id
-    if isinstance(task_id, int) and not isinstance(task_id, bool):
-        return str(task_id)
-    return None
-
-
 def _record(
     *,
     task_id: str | None,
@@ -79,7 +64,7 @@ def _record(
         args, kwargs = _args_from_body(raw)
     try:
         dead_letters.record(
-            task_id=_id_text(task_id),
+            task_id=task_id,
             task_name=task_name,
             reason=reason,
             args=args,

@@ -227,6 +227,16 @@ def _publish_raw(queue: str, task_id: str, body: bytes) -> None:
         )
 
 
+def _publish_protocol_1(queue: str, body: dict[str, object]) -> None:
+    with Connection(app.conf.broker_url) as conn:
+        Producer(conn).publish(
+            json.dumps(body).encode(),
+            routing_key=queue,
+            content_type="application/json",
+            content_encoding="utf-8",
+        )
+
+
 def test_bad_input_is_dead_lettered_on_first_delivery_and_worker_keeps_consuming(
     start_worker, queue
 ):
@@ -242,11 +252,19 @@ def test_bad_input_is_dead_lettered_on_first_delivery_and_worker_keeps_consuming
     # Valid JSON, but not Celery's [args, kwargs, embed]: it fails in the pool child.
     misshapen_id = str(uuid.uuid4())
     _publish_raw(queue, misshapen_id, b'"just a string"')
+    # Celery protocol 1 (everything in the body) with an id that is a number, not a
+    # string: it reaches the task, whose dead letter must still be written.
+    numeric_id = 10**12 + 7
+    _publish_protocol_1(
+        queue,
+        {"task": "tests.increment", "id": numeric_id, "args": ["x", "1", 1, 0, False, "extra"],
+         "kwargs": {}, "retries": 0, "eta": None, "expires": None, "utc": True},
+    )  # fmt: skip
     Increment().apply_async(kwargs={"name": "after", "op_id": "1"}, queue=queue)
 
     wait_for(
-        lambda: DeadLetter.objects.count() == 5,
-        what="five bad-input dead letters",
+        lambda: DeadLetter.objects.count() == 6,
+        what="six bad-input dead letters",
         on_timeout=lambda: (
             list(DeadLetter.objects.values("task_name", "error_message")),
             worker.log()[-3000:],
@@ -270,10 +288,11 @@ def test_bad_input_is_dead_lettered_on_first_delivery_and_worker_keeps_consuming
     assert letters[undecodable_id].raw_body == "{this is not json"
     assert "is not [args, kwargs, embed]" in letters[misshapen_id].error_message
     assert letters[misshapen_id].raw_body == '"just a string"'
+    assert "tests.increment: arguments do not fit run" in letters[str(numeric_id)].error_message
     assert worker.alive()
     time.sleep(0.5)  # none of them is retried
-    assert DeadLetter.objects.count() == 5
-    assert outcomes(outcome=Outcome.BAD_INPUT) == [Outcome.BAD_INPUT] * 2
+    assert DeadLetter.objects.count() == 6
+    assert outcomes(outcome=Outcome.BAD_INPUT) == [Outcome.BAD_INPUT] * 3
 
 
 def test_decorator_form_task_runs_with_module_level_effect(start_worker, queue):
