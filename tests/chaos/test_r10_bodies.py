@@ -462,9 +462,10 @@ def account(run: str, sent: list[Sent], effects_after: int = 0) -> dict[str, Any
 
 #: The short scale (CI's) generates from this seed unless EXPLICIT_CHAOS_RUN_ID names
 #: another: a CI run must not pass or fail on the draw. The full scale draws a new seed
-#: each run (its row names it). Seed 1700f07593 loses 2 of ~150 messages within the
-#: test's wait (issue 12, open: not yet explained).
-SHORT_SEED = "9814c4115e"
+#: each run (its row names it). This seed's storm holds two protocol-1 messages with a
+#: numeric id that fail in the task: their dead letters were lost until 2026-11-30
+#: (``dead_letters.id_text``), so CI replays it.
+SHORT_SEED = "1700f07593"
 
 
 @pytest.fixture
