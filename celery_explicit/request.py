@@ -91,9 +91,27 @@ class ExplicitRequest(Request):
                 f"body of task {self.name!r} (id {self.id!r}): timelimit is not "
                 f"[hard, soft] seconds: {type(limits).__name__}"
             )
-        wrong = _wrong_embed(getattr(self, "_payload", None))
+        wrong = _wrong_stamps(self.request_dict) or _wrong_embed(getattr(self, "_payload", None))
         if wrong:
             raise InvalidTaskError(f"body of task {self.name!r} (id {self.id!r}): {wrong}")
+
+
+def _wrong_stamps(request: dict[str, Any]) -> str | None:
+    """What is wrong with a message's ``stamped_headers`` and ``stamps``, if anything.
+
+    Celery looks each stamped header name up in its revoked stamps (a dict) and reads
+    its value from ``stamps.get(name)``, in the main process, when the request is sent
+    to the pool (``Request.revoked``), possibly later from the pool's semaphore. A name
+    that is a list raised TypeError there and stopped the whole worker, and the unacked
+    message came back to stop the next one (R10, seed 5c6ca7b2ea).
+    """
+    names = request.get("stamped_headers")
+    if names and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        return f"stamped_headers is not a list of header names: {type(names).__name__}"
+    stamps = request.get("stamps")
+    if stamps and not isinstance(stamps, dict):
+        return f"stamps is not a dict: {type(stamps).__name__}"
+    return None
 
 
 #: The parts of a body's ``embed`` Celery reads as lists of signatures, and as one.

@@ -295,6 +295,41 @@ def test_bad_input_is_dead_lettered_on_first_delivery_and_worker_keeps_consuming
     assert outcomes(outcome=Outcome.BAD_INPUT) == [Outcome.BAD_INPUT] * 3
 
 
+def test_a_message_with_wrong_stamps_is_dead_lettered_and_the_worker_lives_on(start_worker, queue):
+    """Celery looks stamped header names up in a dict in the worker's main process when
+    it sends the request to the pool: for a request that waited for a free process, a
+    name that is a list stopped the whole worker (R10, seed 5c6ca7b2ea)."""
+    Counter.objects.bulk_create([Counter(name="after"), Counter(name="busy")])
+    worker = start_worker(concurrency=1, prefetch_multiplier=4)
+    # The one process is busy: the stamped message, prefetched, waits for it (the pool's
+    # semaphore).
+    Increment().apply_async(kwargs={"name": "busy", "op_id": "1", "hold": 2.0}, queue=queue)
+    wait_for(lambda: "] received" in worker.log(), what="the busy job received")
+    task_id = str(uuid.uuid4())
+    headers, _properties, _body, _ = app.amqp.as_task_v2(
+        task_id, "tests.increment", args=(), kwargs={"name": "after", "op_id": "stamped"}
+    )
+    headers.update(stamped_headers=[[], {}], stamps={})
+    with Connection(app.conf.broker_url) as conn:
+        Producer(conn).publish(
+            [[], {"name": "after", "op_id": "stamped"}, {}],
+            routing_key=queue,
+            headers=headers,
+            serializer="json",
+        )
+    Increment().apply_async(kwargs={"name": "after", "op_id": "1"}, queue=queue)
+    wait_for(
+        lambda: DeadLetter.objects.filter(task_id=task_id).exists(),
+        what="the stamped message's dead letter",
+        on_timeout=lambda: worker.log()[-3000:],
+    )
+    letter = DeadLetter.objects.get(task_id=task_id)
+    assert letter.reason == DeadLetterReason.BAD_INPUT
+    assert "stamped_headers is not a list of header names" in letter.error_message
+    wait_for(lambda: Counter.objects.get(name="after").value == 1, what="the next job")
+    assert worker.alive()
+
+
 def test_decorator_form_task_runs_with_module_level_effect(start_worker, queue):
     Counter.objects.create(name="n")
     start_worker()

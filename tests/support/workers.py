@@ -30,6 +30,7 @@ class Worker(ManagedProcess):
         concurrency: int = 2,
         name: str | None = None,
         extra_env: dict[str, str] | None = None,
+        prefetch_multiplier: int | None = None,
     ) -> None:
         self.queue = queue
         name = name or f"w{uuid.uuid4().hex[:6]}"
@@ -40,6 +41,10 @@ class Worker(ManagedProcess):
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
         ]
         # fmt: on
+        if prefetch_multiplier is not None:
+            # More messages than processes: the extra ones wait in the main process for
+            # a free process (the pool's semaphore), as they do under Celery's default 4.
+            command += ["--prefetch-multiplier", str(prefetch_multiplier)]
         super().__init__(
             command,
             name=name,

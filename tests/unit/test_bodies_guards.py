@@ -181,3 +181,33 @@ def test_only_a_str_or_an_integer_id_names_a_dead_letter() -> None:
     # dead letter and the others would vanish.
     for value in ({}, [], [1], True, None, 1.5):
         assert _id_text(value) is None
+
+
+# --- stamps -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "request_dict",
+    [{}, {"stamped_headers": None, "stamps": {}}, {"stamped_headers": ["a"], "stamps": {"a": 1}}],
+)
+def test_usual_stamps_pass(request_dict: dict[str, Any]) -> None:
+    from celery_explicit.request import _wrong_stamps
+
+    assert _wrong_stamps(request_dict) is None
+
+
+@pytest.mark.parametrize(
+    ("request_dict", "named"),
+    [
+        ({"stamped_headers": [[], {}], "stamps": {}}, "stamped_headers"),
+        ({"stamped_headers": [None]}, "stamped_headers"),
+        ({"stamped_headers": 5}, "stamped_headers"),
+        ({"stamped_headers": ["a"], "stamps": [1]}, "stamps"),
+        ({"stamps": [1]}, "stamps"),
+    ],
+)
+def test_wrong_stamps_are_named(request_dict: dict[str, Any], named: str) -> None:
+    from celery_explicit.request import _wrong_stamps
+
+    why = _wrong_stamps(request_dict)
+    assert why is not None and why.startswith(named)
