@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import re
+import select
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -42,9 +43,11 @@ _CLAIM_SQL = (
     "VALUES (%s, %s, %s, %s, '', %s) ON CONFLICT (key) DO NOTHING RETURNING key"
 )
 # Read when the claim lost: a plain statement after the claim, so it takes a new
-# snapshot and sees the row of a concurrent claimant the claim waited for. (A CTE that
-# claimed or read in one statement was shipped until 2026-11-30: a transaction with it
-# took PostgreSQL about 190 us longer, on every first run; bench/p2_ceiling.py.)
+# snapshot and sees the row of a concurrent claimant the claim waited for. On the fast
+# path it travels with BEGIN and the claim (one round trip; a first run reads a row it
+# does not need). (A CTE that claimed or read in one statement was shipped until
+# 2026-11-30: a transaction with it took PostgreSQL about 190 us longer, on every first
+# run; bench/p2_ceiling.py.)
 _EXISTING_SQL = f"SELECT fingerprint, result_ref FROM {_table} WHERE key = %s"
 _RESULT_SQL = f"UPDATE {_table} SET result_ref = %s WHERE key = %s"
 
@@ -90,10 +93,12 @@ def effect(
         trips = _round_trips(connection) if owns_transaction else None
         params: list[Any] = [key, task_name, task_id, fingerprint, timezone.now()]
         if trips is not None:
-            won = trips.begin_and_claim(_CLAIM_SQL, params)
+            won, stored = trips.begin_claim_and_read(params)
+            if not won and stored is None:
+                stored = _stored_or_claim(connection, params)
         else:
             won = _claim(connection, params)
-        stored = None if won else _stored_or_claim(connection, params)
+            stored = None if won else _stored_or_claim(connection, params)
         if stored is None:
             claimed = Effect(key=key, fingerprint=fingerprint, done=False)
         else:
@@ -203,9 +208,26 @@ class _RoundTrips:
 
         return str(psycopg.ClientCursor(self._raw).mogrify(sql, params))
 
-    def begin_and_claim(self, sql: str, params: Sequence[Any]) -> bool:
-        """True when the claim (``INSERT ... RETURNING``) returned its row: it won."""
-        return bool(self._run("BEGIN; " + self._quote(sql, params)).ntuples)
+    def begin_claim_and_read(self, params: Sequence[Any]) -> tuple[bool, Sequence[Any] | None]:
+        """BEGIN, the claim and the read of the stored row, in one round trip: whether
+        the claim won, and when it lost, the stored ``(fingerprint, result_ref)``.
+
+        The read is its own statement after the claim, so it takes a new snapshot and
+        sees the row of a concurrent claimant the claim waited for. A duplicate then
+        costs two round trips, not three; a first run pays for a primary-key read it
+        does not need (bench/p2_effect.py, P2a and P2c). None when the claim lost and
+        the row is gone already (pruned): the caller reads and claims again.
+        """
+        results = self._run_all(
+            f"BEGIN; {self._quote(_CLAIM_SQL, params)}; {self._quote(_EXISTING_SQL, params[:1])}"
+        )
+        if results[1].ntuples:
+            return True, None
+        read = results[2]
+        if not read.ntuples:
+            return False, None
+        encoding = self._raw.info.encoding
+        return False, tuple(read.get_value(0, column).decode(encoding) for column in (0, 1))
 
     def execute_and_commit(self, statements: list[Statement]) -> None:
         parts = [self._quote(sql, params) for sql, params in statements]
@@ -232,6 +254,31 @@ class _RoundTrips:
             return self._mogrify(sql, params)
         # Our statements hold no '%' but their placeholders ('%%' would stay '%').
         return sql % tuple(literals)
+
+    def _run_all(self, query: str) -> list[Any]:
+        """Each statement's result of ``query``, in order; the first failing one raises
+        (libpq runs no statement after it)."""
+        from psycopg import errors, pq
+
+        with self._connection.wrap_database_errors:
+            pgconn = self._raw.pgconn
+            pgconn.send_query(query.encode())
+            results = []
+            while True:
+                # libpq's PQgetResult blocks while holding the GIL when the reply is
+                # not in yet (a thread of the same process committing the row this
+                # claim waits for would never run): wait on the socket, which lets it go.
+                while pgconn.is_busy():
+                    select.select([pgconn.socket], [], [])
+                    pgconn.consume_input()
+                result = pgconn.get_result()
+                if result is None:
+                    break
+                results.append(result)
+            for result in results:
+                if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+                    raise errors.error_from_result(result, encoding=self._raw.info.encoding)
+        return results
 
     def _run(self, query: str) -> Any:
         from psycopg import errors, pq
