@@ -8,6 +8,7 @@ an operator replays it (same idempotency key, linked to this row) or discards it
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -73,14 +74,40 @@ def record(
         queue=text(queue)[:255],
         exchange=text(exchange)[:255],
     )
-    # A redelivered message that fails again updates its letter but does not reopen
-    # one an operator already replayed or discarded (that would allow a second replay).
-    letter, _ = DeadLetter.objects.using(settings.database).update_or_create(
-        task_id=text(task_id or f"unidentified-{uuid.uuid4()}")[:255],
-        defaults=defaults,
-        create_defaults={**defaults, "first_seen": first_seen, "status": DeadLetterStatus.OPEN},
+    letters = DeadLetter.objects.using(settings.database)
+    name = text(task_id or f"unidentified-{uuid.uuid4()}")[:255]
+    create = {**defaults, "first_seen": first_seen, "status": DeadLetterStatus.OPEN}
+    with transaction.atomic(using=settings.database):
+        letter, created = letters.select_for_update().get_or_create(task_id=name, defaults=create)
+        if created:
+            return letter
+        if not _same_message(letter, defaults):
+            # Another message carrying the same id (a producer reusing ids, an id of a
+            # malformed message): it gets its own letter, named after the id, and the
+            # letter already there stays as it was; updating it would lose one of them.
+            return letters.create(task_id=f"{name[:230]}#{uuid.uuid4().hex[:12]}", **create)
+        # The same message redelivered and failing again updates its letter but does
+        # not reopen one an operator already replayed or discarded (that would allow a
+        # second replay).
+        for field, value in defaults.items():
+            setattr(letter, field, value)
+        letter.save(update_fields=list(defaults))
+        return letter
+
+
+def _same_message(letter: DeadLetter, new: dict[str, Any]) -> bool:
+    """Whether ``new`` is the message ``letter`` already holds: its task, arguments
+    and raw body (as stored: JSON's lists for tuples)."""
+
+    def stored(value: Any) -> Any:
+        return json.loads(json.dumps(value, default=str))
+
+    return bool(
+        letter.task_name == new["task_name"]
+        and letter.raw_body == new["raw_body"]
+        and stored(letter.args) == stored(new["args"])
+        and stored(letter.kwargs) == stored(new["kwargs"])
     )
-    return letter
 
 
 def replay(letter: DeadLetter, *, by: str) -> str:
@@ -206,8 +233,6 @@ def _jsonable(value: Any) -> Any:
 
     PostgreSQL jsonb refuses ``\\u0000``: such arguments are kept as their repr.
     """
-    import json
-
     try:
         dumped = json.dumps(value)
     except (TypeError, ValueError):

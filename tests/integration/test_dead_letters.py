@@ -29,6 +29,26 @@ def test_a_redelivered_failure_does_not_reopen_a_resolved_letter() -> None:
     assert again.attempts == 2
 
 
+def test_another_message_with_the_same_id_gets_its_own_letter() -> None:
+    """Two different messages may carry one id (a producer reusing ids; R10 generated
+    two malformed messages with the id 300): updating one letter lost the first."""
+    first = dead_letters.record(
+        task_id=300, task_name="?", reason=DeadLetterReason.BAD_INPUT, raw_body="one"
+    )
+    second = dead_letters.record(
+        task_id=300, task_name="?", reason=DeadLetterReason.UNKNOWN_TASK, raw_body="two"
+    )
+    again = dead_letters.record(
+        task_id=300, task_name="?", reason=DeadLetterReason.BAD_INPUT, raw_body="one", attempts=2
+    )
+    assert first.task_id == "300" and second.task_id.startswith("300#")
+    assert again.pk == first.pk  # the same message again updates its own letter
+    assert sorted(DeadLetter.objects.values_list("raw_body", "reason", "attempts")) == [
+        ("one", DeadLetterReason.BAD_INPUT, 2),
+        ("two", DeadLetterReason.UNKNOWN_TASK, 1),
+    ]
+
+
 def test_nul_characters_are_kept_visible_not_a_reason_to_lose_the_letter() -> None:
     letter = dead_letters.record(
         task_id="t-nul",
