@@ -258,8 +258,6 @@ class _RoundTrips:
     def _run_all(self, query: str) -> list[Any]:
         """Each statement's result of ``query``, in order; the first failing one raises
         (libpq runs no statement after it)."""
-        from psycopg import errors, pq
-
         with self._connection.wrap_database_errors:
             pgconn = self._raw.pgconn
             pgconn.send_query(query.encode())
@@ -276,21 +274,25 @@ class _RoundTrips:
                     break
                 results.append(result)
             for result in results:
-                if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
-                    raise errors.error_from_result(result, encoding=self._raw.info.encoding)
+                self._raise_on_error(result)
         return results
 
     def _run(self, query: str) -> Any:
-        from psycopg import errors, pq
-
+        """The last statement's result of ``query`` (libpq's ``PQexec``, which waits
+        without the GIL)."""
         with self._connection.wrap_database_errors:
             # libpq stops at the first failing statement of the string: a failed write
             # never reaches the COMMIT after it, and the transaction is left aborted for
             # Django's rollback.
             result = self._raw.pgconn.exec_(query.encode())
-            if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
-                raise errors.error_from_result(result, encoding=self._raw.info.encoding)
+            self._raise_on_error(result)
         return result
+
+    def _raise_on_error(self, result: Any) -> None:
+        from psycopg import errors, pq
+
+        if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+            raise errors.error_from_result(result, encoding=self._raw.info.encoding)
 
 
 #: Text written between single quotes as it is.

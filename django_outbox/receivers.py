@@ -49,7 +49,7 @@ def _args_from_body(text: str) -> tuple[Any, Any]:
 
 def _record(
     *,
-    task_id: str | None,
+    task_id: Any,
     task_name: str,
     message: Any,
     error_class: str,

@@ -7,6 +7,7 @@ import json
 import statistics
 import time
 import uuid
+from typing import Any
 
 import pytest
 from kombu import Connection, Producer
@@ -212,29 +213,24 @@ def test_permanent_error_dead_letters_after_exactly_one_attempt(start_worker, qu
     assert outcomes(task_name="tests.surprising") == [Outcome.FAILED_UNCLASSIFIED]
 
 
-def _publish_raw(queue: str, task_id: str, body: bytes) -> None:
-    headers, _properties, _body, _ = app.amqp.as_task_v2(
-        task_id, "tests.increment", args=(), kwargs={}
-    )
+def _publish(queue: str, body: bytes, headers: dict[str, Any] | None = None) -> None:
+    """``body`` as it is (JSON's content type), with ``headers`` (none: protocol 1)."""
     with Connection(app.conf.broker_url) as conn:
         Producer(conn).publish(
             body,
             routing_key=queue,
-            headers=headers,
-            content_type="application/json",
-            content_encoding="utf-8",
-            correlation_id=task_id,
-        )
-
-
-def _publish_protocol_1(queue: str, body: dict[str, object]) -> None:
-    with Connection(app.conf.broker_url) as conn:
-        Producer(conn).publish(
-            json.dumps(body).encode(),
-            routing_key=queue,
+            headers=headers or {},
             content_type="application/json",
             content_encoding="utf-8",
         )
+
+
+def _headers(task_id: str, **more: Any) -> dict[str, Any]:
+    """Celery's protocol-2 headers of a ``tests.increment`` message, then ``more``."""
+    headers, _properties, _body, _ = app.amqp.as_task_v2(
+        task_id, "tests.increment", args=(), kwargs={}
+    )
+    return {**headers, **more}
 
 
 def test_bad_input_is_dead_lettered_on_first_delivery_and_worker_keeps_consuming(
@@ -248,17 +244,19 @@ def test_bad_input_is_dead_lettered_on_first_delivery_and_worker_keeps_consuming
     missing_key = app.send_task("tests.optional_key", queue=queue)
     unknown = app.send_task("shop.no_such_task", args=[1], queue=queue)
     undecodable_id = str(uuid.uuid4())
-    _publish_raw(queue, undecodable_id, b"{this is not json")
+    _publish(queue, b"{this is not json", _headers(undecodable_id))
     # Valid JSON, but not Celery's [args, kwargs, embed]: it fails in the pool child.
     misshapen_id = str(uuid.uuid4())
-    _publish_raw(queue, misshapen_id, b'"just a string"')
+    _publish(queue, b'"just a string"', _headers(misshapen_id))
     # Celery protocol 1 (everything in the body) with an id that is a number, not a
     # string: it reaches the task, whose dead letter must still be written.
     numeric_id = 10**12 + 7
-    _publish_protocol_1(
+    _publish(
         queue,
-        {"task": "tests.increment", "id": numeric_id, "args": ["x", "1", 1, 0, False, "extra"],
-         "kwargs": {}, "retries": 0, "eta": None, "expires": None, "utc": True},
+        json.dumps(
+            {"task": "tests.increment", "id": numeric_id, "args": ["x", "1", 1, 0, False, "extra"],
+             "kwargs": {}, "retries": 0, "eta": None, "expires": None, "utc": True}
+        ).encode(),
     )  # fmt: skip
     Increment().apply_async(kwargs={"name": "after", "op_id": "1"}, queue=queue)
 
@@ -306,17 +304,11 @@ def test_a_message_with_wrong_stamps_is_dead_lettered_and_the_worker_lives_on(st
     Increment().apply_async(kwargs={"name": "busy", "op_id": "1", "hold": 2.0}, queue=queue)
     wait_for(lambda: "] received" in worker.log(), what="the busy job received")
     task_id = str(uuid.uuid4())
-    headers, _properties, _body, _ = app.amqp.as_task_v2(
-        task_id, "tests.increment", args=(), kwargs={"name": "after", "op_id": "stamped"}
+    _publish(
+        queue,
+        json.dumps([[], {"name": "after", "op_id": "stamped"}, {}]).encode(),
+        _headers(task_id, stamped_headers=[[], {}], stamps={}),
     )
-    headers.update(stamped_headers=[[], {}], stamps={})
-    with Connection(app.conf.broker_url) as conn:
-        Producer(conn).publish(
-            [[], {"name": "after", "op_id": "stamped"}, {}],
-            routing_key=queue,
-            headers=headers,
-            serializer="json",
-        )
     Increment().apply_async(kwargs={"name": "after", "op_id": "1"}, queue=queue)
     wait_for(
         lambda: DeadLetter.objects.filter(task_id=task_id).exists(),
