@@ -104,6 +104,10 @@ class Settings:
     allow_untested_versions: Setting[bool] = Setting(False, _flag)
     #: Events one relay claims, publishes and marks in one transaction.
     outbox_batch_size: Setting[int] = Setting(100, int)
+    #: PostgreSQL + psycopg 3: the relay's claim rides with BEGIN and its marks with
+    #: COMMIT (three round trips a batch, not five). Off: every statement through
+    #: Django's cursor.
+    outbox_relay_round_trips: Setting[bool] = Setting(True, _flag)
     #: Seconds an idle relay waits before looking again (with LISTEN/NOTIFY a commit
     #: wakes it at once; without, this is the publish lag).
     outbox_poll_interval: Setting[float] = Setting(1.0, float)

@@ -34,6 +34,9 @@ from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from django_outbox import round_trips
+from django_outbox.conf import settings
+
 if TYPE_CHECKING:
     from django_outbox.models import OutboxEvent  # noqa: F401 (the Manager["OutboxEvent"] base)
 
@@ -191,6 +194,12 @@ def run_claim(using: str, sql: str, limit: int) -> list[Claimed]:
         raise TransactionManagementError(
             "the outbox claim locks its rows until commit: run it in transaction.atomic()"
         )
+    trips = round_trips.for_new_transaction(connection, settings.outbox_relay_round_trips)
+    if trips is not None:
+        # BEGIN and the claim in one round trip. The limit is the one value: an int,
+        # written as such ('%%' becomes '%' as the cursor's binding would make it).
+        claimed = trips.run_all(f"BEGIN; {sql % (int(limit),)}")[1]
+        return [Claimed.from_row(row) for row in trips.rows(claimed)]
     with connection.cursor() as cursor:
         cursor.execute(sql, [limit])
         return [Claimed.from_row(row) for row in cursor.fetchall()]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime as dt
 import math
 import re
-import select
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -32,6 +31,7 @@ from django.utils import timezone
 
 from celery_explicit.errors import IdempotencyConflict, LeaseLost
 from celery_explicit.store import Effect, Statement
+from django_outbox import round_trips
 from django_outbox.conf import settings
 from django_outbox.models import Fence, ProcessedOperation
 
@@ -180,26 +180,23 @@ def _stale(task_id: str, key: str, fence: int | None, newer: int) -> LeaseLost:
 
 
 class _RoundTrips:
-    """PostgreSQL only: BEGIN + claim in one round trip, the last writes + COMMIT in one.
+    """PostgreSQL only: BEGIN + claim in one round trip, the last writes + COMMIT in one
+    (``django_outbox.round_trips``).
 
     A plain ``atomic()`` costs three round trips (BEGIN, the update, COMMIT); the ledger
     would add two more statements. Sending each with its neighbour keeps the job at
     three, which is what makes the ledger cheap next to a bare transaction
-    (docs/performance.md). The statements go through libpq directly, as one simple-query
-    string with the parameters bound by psycopg's client-side quoting (the same quoting
-    Django's default client-side binding cursor uses), so they do not pass through
-    Django's cursor wrappers: ``connection.queries`` and ``execute_wrapper`` hooks do
-    not see them. ``EXPLICIT_LEDGER_ROUND_TRIPS = False`` turns this off. It is not
-    used with a configured isolation level (plain BEGIN would drop it), and libpq's
-    blocking call would stall a gevent/eventlet hub: turn it off with green pools.
+    (docs/performance.md). The parameters are bound here as literals (``_quote``).
+    ``EXPLICIT_LEDGER_ROUND_TRIPS = False`` turns this off; libpq's blocking call would
+    stall a gevent/eventlet hub: turn it off with green pools.
     """
 
-    def __init__(self, connection: Any, raw: Any) -> None:
+    def __init__(self, trips: round_trips.RoundTrips) -> None:
         from psycopg import pq
 
-        self._connection = connection
-        self._raw = raw
-        self._escape = pq.Escaping(raw.pgconn).escape_literal
+        self._trips = trips
+        self._raw = trips.raw
+        self._escape = pq.Escaping(trips.raw.pgconn).escape_literal
 
     def _mogrify(self, sql: str, params: Sequence[Any]) -> str:
         """psycopg's client-side binding: for the values ``_literal`` leaves to it (a
@@ -218,7 +215,7 @@ class _RoundTrips:
         does not need (bench/p2_effect.py, P2a and P2c). None when the claim lost and
         the row is gone already (pruned): the caller reads and claims again.
         """
-        results = self._run_all(
+        results = self._trips.run_all(
             f"BEGIN; {self._quote(_CLAIM_SQL, params)}; {self._quote(_EXISTING_SQL, params[:1])}"
         )
         if results[1].ntuples:
@@ -231,12 +228,7 @@ class _RoundTrips:
 
     def execute_and_commit(self, statements: list[Statement]) -> None:
         parts = [self._quote(sql, params) for sql, params in statements]
-        result = self._run("; ".join([*parts, "COMMIT"]))
-        # COMMIT of an aborted transaction "succeeds" with the tag ROLLBACK.
-        if result.command_status != b"COMMIT":
-            raise DatabaseError(
-                f"the effect's transaction did not commit ({result.command_status!r})"
-            )
+        self._trips.commit_with(parts, what="the effect's transaction")
 
     def _quote(self, sql: str, params: Sequence[Any]) -> str:
         """``sql`` with its ``%s`` placeholders replaced by ``params`` as literals.
@@ -254,45 +246,6 @@ class _RoundTrips:
             return self._mogrify(sql, params)
         # Our statements hold no '%' but their placeholders ('%%' would stay '%').
         return sql % tuple(literals)
-
-    def _run_all(self, query: str) -> list[Any]:
-        """Each statement's result of ``query``, in order; the first failing one raises
-        (libpq runs no statement after it)."""
-        with self._connection.wrap_database_errors:
-            pgconn = self._raw.pgconn
-            pgconn.send_query(query.encode())
-            results = []
-            while True:
-                # libpq's PQgetResult blocks while holding the GIL when the reply is
-                # not in yet (a thread of the same process committing the row this
-                # claim waits for would never run): wait on the socket, which lets it go.
-                while pgconn.is_busy():
-                    select.select([pgconn.socket], [], [])
-                    pgconn.consume_input()
-                result = pgconn.get_result()
-                if result is None:
-                    break
-                results.append(result)
-            for result in results:
-                self._raise_on_error(result)
-        return results
-
-    def _run(self, query: str) -> Any:
-        """The last statement's result of ``query`` (libpq's ``PQexec``, which waits
-        without the GIL)."""
-        with self._connection.wrap_database_errors:
-            # libpq stops at the first failing statement of the string: a failed write
-            # never reaches the COMMIT after it, and the transaction is left aborted for
-            # Django's rollback.
-            result = self._raw.pgconn.exec_(query.encode())
-            self._raise_on_error(result)
-        return result
-
-    def _raise_on_error(self, result: Any) -> None:
-        from psycopg import errors, pq
-
-        if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
-            raise errors.error_from_result(result, encoding=self._raw.info.encoding)
 
 
 #: Text written between single quotes as it is.
@@ -327,22 +280,8 @@ def _literal(value: Any, escape: Callable[[bytes], bytes]) -> str:
 
 def _round_trips(connection: Any) -> _RoundTrips | None:
     """The fast path, when this transaction is ours and has not started on the server."""
-    if not settings.ledger_round_trips or connection.vendor != "postgresql":
-        return None
-    try:
-        import psycopg
-        from psycopg import pq
-    except ImportError:  # psycopg2: the plain path
-        return None
-    raw = connection.connection
-    if not isinstance(raw, psycopg.Connection) or raw.autocommit:
-        return None
-    if raw.isolation_level is not None or raw.read_only is not None or raw.deferrable:
-        # psycopg would begin with these options; a bare BEGIN would silently drop them.
-        return None
-    if raw.pgconn.transaction_status != pq.TransactionStatus.IDLE:
-        return None
-    return _RoundTrips(connection, raw)
+    trips = round_trips.for_new_transaction(connection, settings.ledger_round_trips)
+    return None if trips is None else _RoundTrips(trips)
 
 
 def record_takeover(task_id: str, key: str, fence: int, previous: str) -> None:

@@ -67,6 +67,7 @@ from django.utils.module_loading import autodiscover_modules
 from celery_explicit import job_log, ordering
 from celery_explicit.errors import qualname
 from celery_explicit.retry_policy import backoff_delay
+from django_outbox import round_trips
 from django_outbox.claim import Claimed
 from django_outbox.conf import settings
 from django_outbox.models import OutboxEvent, OutboxStatus
@@ -90,14 +91,15 @@ logger = job_log.get_logger("django_outbox.relay")
 # transaction, with the batch's commit told not to wait for the WAL flush: a mark lost
 # in a server crash leaves its event pending, and it is published again (at least
 # once, as after a relay crash); the flush was the largest cost of a small batch. One
-# round trip for both: a statement with parameters cannot share an execute() with
-# another, so every value is a literal (the ids are integers read from the table, the
-# status one of ours). published_at is set only when published, as the ORM update did,
-# and to the statement's time as Django's Now() does: now() is the transaction's start,
-# before the messages were sent, and the reconciler compares published_at with the
-# time a queue's oldest message was sent (django_outbox.reconcile).
+# round trip for all of them, and for the COMMIT too where ``round_trips`` allows it:
+# a statement with parameters cannot share an execute() with another, so every value
+# is a literal (the ids are integers read from the table, the status one of ours).
+# published_at is set only when published, as the ORM update did, and to the
+# statement's time as Django's Now() does: now() is the transaction's start, before the
+# messages were sent, and the reconciler compares published_at with the time a queue's
+# oldest message was sent (django_outbox.reconcile).
+_NO_FLUSH_POSTGRESQL = "SET LOCAL synchronous_commit TO OFF"
 _MARK_POSTGRESQL = f"""
-SET LOCAL synchronous_commit TO OFF;
 UPDATE {OutboxEvent._meta.db_table}
 SET status = '{{status}}',
     attempts = attempts + 1,
@@ -274,6 +276,7 @@ class Relay:
     def relay_batch(self) -> BatchResult:
         """Claim, publish, mark and commit one batch."""
         result = BatchResult()
+        owns_transaction = not connections[self.using].in_atomic_block
         with transaction.atomic(using=self.using):
             events = self.claim()
             result.claimed = len(events)
@@ -311,8 +314,10 @@ class Relay:
                         sent.clear()
                         self._give_back_numbers(taken)
                     self._broker.close()
-            self._mark(sent, OutboxStatus.PUBLISHED)
-            self._mark(dropped, OutboxStatus.DEDUPLICATED)
+            self._mark(
+                {OutboxStatus.PUBLISHED: sent, OutboxStatus.DEDUPLICATED: dropped},
+                commit=owns_transaction,
+            )
         result.published = len(sent)
         result.deduplicated = len(dropped)
         now = timezone.now()
@@ -356,28 +361,46 @@ class Relay:
                     seq,
                 )
 
-    def _mark(self, events: list[Claimed], status: OutboxStatus) -> None:
-        if not events:
+    def _mark(self, marks: dict[OutboxStatus, list[Claimed]], *, commit: bool) -> None:
+        """Mark the batch's events with their new status. With ``commit`` (this batch's
+        ``atomic()`` is the transaction) on PostgreSQL, the batch commits in the same
+        round trip (``django_outbox.round_trips``); ``atomic()`` then has nothing left
+        to send."""
+        marks = {status: events for status, events in marks.items() if events}
+        if not marks:
             return
-        ids = [e.id for e in events]
         connection = connections[self.using]
-        if connection.vendor == "postgresql":
-            # One array of ids, not one parameter per event: the ORM's IN list of 500
-            # placeholders cost more to compile and bind than the UPDATE did to run.
-            sql = _MARK_POSTGRESQL.format(
+        if connection.vendor != "postgresql":
+            for status, events in marks.items():
+                fields: dict[str, Any] = {"status": status, "attempts": F("attempts") + 1}
+                if status is OutboxStatus.PUBLISHED:
+                    fields["published_at"] = Now()
+                OutboxEvent.objects.using(self.using).filter(id__in=[e.id for e in events]).update(
+                    **fields
+                )
+            return
+        # One array of ids, not one parameter per event: the ORM's IN list of 500
+        # placeholders cost more to compile and bind than the UPDATE did to run.
+        statements = [_NO_FLUSH_POSTGRESQL] + [
+            _MARK_POSTGRESQL.format(
                 status=OutboxStatus(status).value,
                 published_at="statement_timestamp()"
                 if status is OutboxStatus.PUBLISHED
                 else "published_at",
-                ids=",".join(str(int(i)) for i in ids),
+                ids=",".join(str(int(e.id)) for e in events),
             )
-            with connection.cursor() as cursor:
-                cursor.execute(sql)
+            for status, events in marks.items()
+        ]
+        trips = (
+            round_trips.for_commit(connection, settings.outbox_relay_round_trips)
+            if commit
+            else None
+        )
+        if trips is not None:
+            trips.commit_with(statements, what="the outbox relay's batch")
             return
-        fields: dict[str, Any] = {"status": status, "attempts": F("attempts") + 1}
-        if status is OutboxStatus.PUBLISHED:
-            fields["published_at"] = Now()
-        OutboxEvent.objects.using(self.using).filter(id__in=ids).update(**fields)
+        with connection.cursor() as cursor:
+            cursor.execute(";".join(statements))
 
     def _back_off(self, outages: int, what: str, exc: BaseException) -> None:
         delay = backoff_delay(outages, base=self.backoff_base, cap=self.backoff_cap, rng=self._rng)

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from django_outbox import ledger
+from django_outbox import round_trips as round_trips_module
 
 pytestmark = pytest.mark.django_db
 
@@ -26,8 +27,7 @@ TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=
 
 def round_trips() -> ledger._RoundTrips:
     connection.ensure_connection()
-    quoter = ledger._RoundTrips(connection, connection.connection)
-    return quoter
+    return ledger._RoundTrips(round_trips_module.RoundTrips(connection, connection.connection))
 
 
 def read_back(sql: str) -> object:

@@ -126,11 +126,11 @@ def main() -> None:
         """The production relay, pausing between the send and the mark (``flushed`` in
         its log): a kill there lands in that window every time, not by luck."""
 
-        def _mark(self, events: list[Any], status: Any) -> None:
-            if events and status == "published":
-                print(f"flushed {len(events)}", flush=True)
+        def _mark(self, marks: dict[Any, list[Any]], *, commit: bool) -> None:
+            if published := marks.get("published"):
+                print(f"flushed {len(published)}", flush=True)
                 time.sleep(5)
-            super()._mark(events, status)
+            super()._mark(marks, commit=commit)
 
     class MarksUnsentRelay(Relay):
         """Marks events published without sending them: the loss the kill tests look for."""
