@@ -192,11 +192,9 @@ class _RoundTrips:
     """
 
     def __init__(self, trips: round_trips.RoundTrips) -> None:
-        from psycopg import pq
-
         self._trips = trips
         self._raw = trips.raw
-        self._escape = pq.Escaping(trips.raw.pgconn).escape_literal
+        self._escape = trips.literal_escaper()
 
     def _mogrify(self, sql: str, params: Sequence[Any]) -> str:
         """psycopg's client-side binding: for the values ``_literal`` leaves to it (a

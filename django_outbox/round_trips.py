@@ -26,10 +26,24 @@ the server turns into ROLLBACK (the transaction was aborted) raises too.
 from __future__ import annotations
 
 import select
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from django.db import DatabaseError
+
+try:
+    import psycopg
+    from psycopg import errors as pg_errors
+    from psycopg import pq
+    from psycopg.adapt import Transformer
+except ImportError:  # psycopg2 only: nothing here is used (the plain path is taken)
+    psycopg = None  # type: ignore[assignment]
+else:
+    # Resolved once: an import statement and enum look-ups in a function called four
+    # times a job cost more than the rest of it (py-spy, bench/p1c_cpu.py).
+    _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+    _IDLE = pq.TransactionStatus.IDLE
+    _INTRANS = pq.TransactionStatus.INTRANS
 
 __all__ = ["RoundTrips", "for_commit", "for_new_transaction"]
 
@@ -82,20 +96,21 @@ class RoundTrips:
         if result.command_status != b"COMMIT":
             raise DatabaseError(f"{what} did not commit ({result.command_status!r})")
 
+    def literal_escaper(self) -> Callable[[bytes], bytes]:
+        """libpq's ``PQescapeLiteral`` on this connection (its encoding, its
+        ``standard_conforming_strings``)."""
+        return pq.Escaping(self.raw.pgconn).escape_literal
+
     def rows(self, result: Any) -> list[tuple[Any, ...]]:
         """``result``'s rows as Python values, loaded by the connection's own adapters
         (those Django configured: the same values its cursor would return)."""
-        from psycopg.adapt import Transformer
-
         transformer = Transformer(self.raw)
         transformer.set_pgresult(result)
         return transformer.load_rows(0, result.ntuples, tuple)
 
     def _raise_on_error(self, result: Any) -> None:
-        from psycopg import errors, pq
-
-        if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
-            raise errors.error_from_result(result, encoding=self.raw.info.encoding)
+        if result.status not in _OK:
+            raise pg_errors.error_from_result(result, encoding=self.raw.info.encoding)
 
 
 def for_new_transaction(connection: Any, enabled: bool) -> RoundTrips | None:
@@ -103,12 +118,7 @@ def for_new_transaction(connection: Any, enabled: bool) -> RoundTrips | None:
     psycopg 3, inside ``atomic()`` (not autocommit), no transaction option a plain
     BEGIN would drop, and the transaction not begun on the server yet. None otherwise:
     the caller takes Django's cursor."""
-    if not enabled or connection.vendor != "postgresql":
-        return None
-    try:
-        import psycopg
-        from psycopg import pq
-    except ImportError:  # psycopg2: the plain path
+    if not enabled or psycopg is None or connection.vendor != "postgresql":
         return None
     raw = connection.connection
     if not isinstance(raw, psycopg.Connection) or raw.autocommit:
@@ -116,7 +126,7 @@ def for_new_transaction(connection: Any, enabled: bool) -> RoundTrips | None:
     if raw.isolation_level is not None or raw.read_only is not None or raw.deferrable:
         # psycopg would begin with these options; a bare BEGIN would silently drop them.
         return None
-    if raw.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+    if raw.pgconn.transaction_status != _IDLE:
         return None
     return RoundTrips(connection, raw)
 
@@ -127,16 +137,13 @@ def for_commit(connection: Any, enabled: bool) -> RoundTrips | None:
     transaction open on the server and not marked for rollback by Django (a caught
     error inside ``atomic()``: Django must roll it back, not we commit it). The caller
     must own the transaction (its ``atomic()`` is the outermost). None otherwise."""
-    if not enabled or connection.vendor != "postgresql" or connection.needs_rollback:
+    if not enabled or psycopg is None or connection.vendor != "postgresql":
         return None
-    try:
-        import psycopg
-        from psycopg import pq
-    except ImportError:
+    if connection.needs_rollback:
         return None
     raw = connection.connection
     if not isinstance(raw, psycopg.Connection) or raw.autocommit:
         return None
-    if raw.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
+    if raw.pgconn.transaction_status != _INTRANS:
         return None
     return RoundTrips(connection, raw)
