@@ -6,6 +6,8 @@ A letter an operator resolved stays resolved when the message fails again; NUL b
 
 from __future__ import annotations
 
+import io
+import json
 import uuid
 
 import pytest
@@ -47,6 +49,29 @@ def test_another_message_with_the_same_id_gets_its_own_letter() -> None:
         ("one", DeadLetterReason.BAD_INPUT, 2),
         ("two", DeadLetterReason.UNKNOWN_TASK, 1),
     ]
+
+
+def test_explain_finds_every_letter_of_a_reused_id() -> None:
+    from django.core.management import call_command
+
+    reused = f"legacy-{uuid.uuid4().hex[:6]}"
+    for body in ("one", "two"):
+        dead_letters.record(
+            task_id=reused, task_name="?", reason=DeadLetterReason.BAD_INPUT, raw_body=body
+        )
+    out = io.StringIO()
+    call_command("explain", reused, "--json", stdout=out)
+    found = json.loads(out.getvalue())["matches"]
+    letters = sorted(DeadLetter.objects.values_list("task_id", flat=True))
+    assert len(letters) == 2 and letters[0] == reused and letters[1].startswith(f"{reused}#")
+    assert sorted(tid for match in found for tid in match["task_ids"]) == letters
+    # A longer id that merely starts with this one is another job.
+    dead_letters.record(
+        task_id=f"{reused}0", task_name="?", reason=DeadLetterReason.BAD_INPUT, raw_body="x"
+    )
+    out = io.StringIO()
+    call_command("explain", reused, "--json", stdout=out)
+    assert len(json.loads(out.getvalue())["matches"]) == 2
 
 
 def test_nul_characters_are_kept_visible_not_a_reason_to_lose_the_letter() -> None:
