@@ -5,8 +5,8 @@ ExplicitTask, NOTIFY included; one per transaction unless ``--per-transaction``)
 fixed total rate, open loop (a late writer does not slow the schedule down). One
 ``manage.py outbox_relay`` process (``--relays N``: N of them, sharing the backlog),
 woken by LISTEN/NOTIFY, publishes to Redis; a consumer thread BRPOPs the queue and
-stamps each message's arrival. Lag = arrival - commit, per event. Target: p99 <= 50 ms at 1,000
-events/s.
+stamps each message's arrival. Lag = arrival - commit, per event. Target: p99 <= 50 ms
+at 1,000 events/s.
 
     ./scripts/bench outbox_lag.py [--rate 1000] [--seconds 10] [--writers 2]
                                   [--per-transaction 1] [--batch-size 100] [--relays 1]
@@ -72,6 +72,8 @@ def main() -> None:
         "--cpu-hog", action="store_true", help="a busy-loop process on the last core"
     )
     args = parser.parse_args()
+    if args.relays < 1:
+        parser.error(f"--relays {args.relays}: at least one relay must publish the events")
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     os.environ["EXPLICIT_BENCH_QUEUE"] = queue
     setup_django()

@@ -101,20 +101,20 @@ def _resolve(query: str) -> tuple[list[str], list[str]]:
         by_task = _keys_of(Q(pk__in=[]), Q(task_id=query))
     # Another message that reused this id has its own letter, ``<id>#<suffix>``
     # (django_outbox.dead_letters): each letter is a job of its own.
-    id_letters = letters.filter(Q(task_id=query) | Q(task_id__startswith=f"{query}#"))
-    by_task += [
-        k for k in id_letters.values_list("idempotency_key", flat=True) if k and k not in by_task
-    ]
+    id_letters = list(
+        letters.filter(Q(task_id=query) | Q(task_id__startswith=f"{query}#")).values_list(
+            "task_id", "idempotency_key"
+        )
+    )
+    by_task += [k for _, k in id_letters if k and k not in by_task]
     if by_task:
         return by_task, []
-    keyless = sorted(id_letters.filter(idempotency_key="").values_list("task_id", flat=True))
+    # Letters without a key (bad input, unknown tasks) are found by their id alone.
+    keyless = sorted(task_id for task_id, k in id_letters if not k)
     if keyless:
         return [], keyless
     if uuid_or_none(query) is not None:
-        if (
-            letters.filter(task_id=query).exists()
-            or OutboxEvent.objects.using(db).filter(event_id=query).exists()
-        ):
+        if OutboxEvent.objects.using(db).filter(event_id=query).exists():
             return [], [query]
         if attempts.filter(task_id=query).exists():
             return [], [query]

@@ -77,7 +77,7 @@ class RoundTrips:
                 self._raise_on_error(result)
         return results
 
-    def run(self, query: str) -> Any:
+    def _run(self, query: str) -> Any:
         """The last statement's result of ``query`` (libpq's ``PQexec``, which waits
         without the GIL)."""
         with self.connection.wrap_database_errors:
@@ -91,7 +91,7 @@ class RoundTrips:
     def commit_with(self, statements: Sequence[str], *, what: str) -> None:
         """Run ``statements`` (SQL with every value already in it), then COMMIT, in one
         round trip. ``what`` names the transaction in the error when it did not commit."""
-        result = self.run("; ".join([*statements, "COMMIT"]))
+        result = self._run("; ".join([*statements, "COMMIT"]))
         # COMMIT of an aborted transaction "succeeds" with the tag ROLLBACK.
         if result.command_status != b"COMMIT":
             raise DatabaseError(f"{what} did not commit ({result.command_status!r})")
@@ -118,10 +118,8 @@ def for_new_transaction(connection: Any, enabled: bool) -> RoundTrips | None:
     psycopg 3, inside ``atomic()`` (not autocommit), no transaction option a plain
     BEGIN would drop, and the transaction not begun on the server yet. None otherwise:
     the caller takes Django's cursor."""
-    if not enabled or psycopg is None or connection.vendor != "postgresql":
-        return None
-    raw = connection.connection
-    if not isinstance(raw, psycopg.Connection) or raw.autocommit:
+    raw = _psycopg_in_atomic(connection, enabled)
+    if raw is None:
         return None
     if raw.isolation_level is not None or raw.read_only is not None or raw.deferrable:
         # psycopg would begin with these options; a bare BEGIN would silently drop them.
@@ -137,13 +135,20 @@ def for_commit(connection: Any, enabled: bool) -> RoundTrips | None:
     transaction open on the server and not marked for rollback by Django (a caught
     error inside ``atomic()``: Django must roll it back, not we commit it). The caller
     must own the transaction (its ``atomic()`` is the outermost). None otherwise."""
-    if not enabled or psycopg is None or connection.vendor != "postgresql":
-        return None
-    if connection.needs_rollback:
-        return None
-    raw = connection.connection
-    if not isinstance(raw, psycopg.Connection) or raw.autocommit:
+    raw = _psycopg_in_atomic(connection, enabled)
+    if raw is None or connection.needs_rollback:
         return None
     if raw.pgconn.transaction_status != _INTRANS:
         return None
     return RoundTrips(connection, raw)
+
+
+def _psycopg_in_atomic(connection: Any, enabled: bool) -> Any:
+    """``connection``'s psycopg 3 connection when ``enabled``, on PostgreSQL and out of
+    autocommit (inside ``atomic()``); None otherwise."""
+    if not enabled or psycopg is None or connection.vendor != "postgresql":
+        return None
+    raw = connection.connection
+    if not isinstance(raw, psycopg.Connection) or raw.autocommit:
+        return None
+    return raw
