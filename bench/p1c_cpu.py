@@ -15,11 +15,17 @@ Target (issue 13): explicit minus plain <= 500 µs per job.
     scripts/bench p1c_cpu.py [--jobs 2000] [--rounds 5] [--profile FILE]
 
 ``--profile FILE`` writes a cProfile of the explicit jobs of one extra round (pstats).
+
+This process stands for a prefork pool child: it sends ``worker_process_init`` as
+billiard's child does, so our Redis client keeps its one connection there
+(``celery_explicit.redis_state``). ``EXPLICIT_BENCH_POOL_CHILD=0`` leaves it out (the
+pooled client everywhere: the A/B of docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import uuid
@@ -39,8 +45,12 @@ def main() -> None:
     options = parser.parse_args()
     setup_django()
 
+    from celery import signals
+
     from bench.benchapp.tasks import ExplicitUpdate, floor_update, plain_update
 
+    if os.environ.get("EXPLICIT_BENCH_POOL_CHILD", "1") != "0":
+        signals.worker_process_init.send(sender=None)
     reset_rows()
     explicit = ExplicitUpdate()
     sides: dict[str, Callable[[int], Any]] = {

@@ -5,18 +5,34 @@ the Redis named by ``EXPLICIT_REDIS_URL`` (by default the broker, when it is Red
 Locks take their client from the caller and message leases the broker's; every key we
 write starts with ``EXPLICIT_KEY_PREFIX`` (default ``explicit:``), so an operator finds
 everything under it. Lua goes through ``celery_explicit.redis_scripts``.
+
+A prefork pool child runs one job at a time, and each job makes its few calls (the
+execution lease's acquire and release) one after another. There the client keeps one
+connection of its own (``OneConnection``) instead of taking one from redis-py's pool and
+giving it back on every call, which costs about 15-20 µs of CPU a call on the
+development machine (the pool's locking and its connection metrics; docs/performance.md,
+issue 13). Everywhere else (the worker's main process extending leases, a threads or
+gevent pool, a web process) jobs and threads call concurrently, and the pooled client
+stays: one shared connection would make them wait for each other's round trips.
+Pipelines take their connection from the pool either way.
 """
 
 from __future__ import annotations
 
+import os
+import select
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import redis
+
 from celery_explicit.conf import settings
 
-_clients: dict[str, Any] = {}
+_clients: dict[tuple[str, int], Any] = {}
 _clients_lock = threading.Lock()
+#: The pid of a prefork pool child (``worker_process_init``): there, one connection each.
+_one_job_at_a_time_in: int | None = None
 
 
 def prefix() -> str:
@@ -24,17 +40,60 @@ def prefix() -> str:
     return settings.key_prefix
 
 
+class OneConnection(redis.Redis):
+    """A client keeping one connection, which it checks before each command.
+
+    redis-py's pool looks at a connection's socket before handing it out: readable
+    while no command is in flight means the server closed it (a restart, an idle
+    timeout, a proxy) or a reply was left unread, and the pool connects again. A plain
+    ``single_connection_client`` does not, and its ``from_url`` default retries nothing,
+    so the first command after a restart would fail (the job's execution lease would be
+    skipped). The same look is taken here, one ``poll`` with no wait; a command is
+    never retried, because a script like the lease's acquire is not safe to run twice.
+    """
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        with self.single_connection_lock:  # reentrant: the command takes it again
+            sock = self.connection._sock if self.connection is not None else None
+            if sock is not None:
+                poller = select.poll()
+                poller.register(sock, select.POLLIN)
+                if poller.poll(0):
+                    self.connection.disconnect()  # the command connects again
+            return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+
+
 def client() -> Any:
     """The Redis client for ``EXPLICIT_REDIS_URL``, one per URL and process."""
-    import redis
-
-    url = settings.redis_url
+    url, pid = settings.redis_url, os.getpid()
+    # Keyed by pid: a client made before a fork is not the child's (a kept connection's
+    # socket would be shared with the parent).
+    found = _clients.get((url, pid))
+    if found is not None:
+        return found
     with _clients_lock:
-        if url not in _clients:
+        if (url, pid) not in _clients:
             # Timeouts: the worker's main loop extends leases with this client, and
             # a Redis that stops answering must not stall it.
-            _clients[url] = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
-        return _clients[url]
+            if _one_job_at_a_time_in == pid:
+                _clients[(url, pid)] = OneConnection.from_url(
+                    url, socket_timeout=5, socket_connect_timeout=5, single_connection_client=True
+                )
+            else:
+                _clients[(url, pid)] = redis.Redis.from_url(
+                    url, socket_timeout=5, socket_connect_timeout=5
+                )
+        return _clients[(url, pid)]
+
+
+def one_job_at_a_time(**_: Any) -> None:
+    """``worker_process_init``: this process is a prefork pool child, which runs one job
+    at a time; its clients keep one connection each (see the module's docstring)."""
+    global _one_job_at_a_time_in
+    pid = os.getpid()
+    with _clients_lock:
+        _one_job_at_a_time_in = pid
+        _clients.clear()  # made before the signal (here or in the parent): pooled
 
 
 def text(value: Any) -> str:

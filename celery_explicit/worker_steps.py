@@ -33,7 +33,7 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.exceptions import InvalidTaskError
 
-from celery_explicit import job_log, store, versions, worker_metrics
+from celery_explicit import job_log, redis_state, store, versions, worker_metrics
 from celery_explicit.conf import settings
 from celery_explicit.lease import LeaseKeeper
 from celery_explicit.request import MAX_NESTING, nested_deeper_than
@@ -151,6 +151,10 @@ def install(app: Any) -> None:
     signals.worker_ready.connect(worker_metrics.on_worker_ready, dispatch_uid=__name__ + ".m")
     signals.worker_process_shutdown.connect(
         worker_metrics.on_worker_process_shutdown, dispatch_uid=__name__ + ".m"
+    )
+    # A prefork child runs one job at a time: its Redis client keeps one connection.
+    signals.worker_process_init.connect(
+        redis_state.one_job_at_a_time, dispatch_uid=__name__ + ".redis"
     )
 
 

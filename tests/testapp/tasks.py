@@ -566,3 +566,14 @@ app.register_task(CapturePayment())
 
 # The chaos suite's workload (tests/chaos), registered with the same app.
 from tests.chaos import tasks as _chaos_tasks  # noqa: E402, F401
+
+
+@app.task(name="tests.report_redis_client")
+def report_redis_client(token: str) -> None:
+    """Write down how this pool process's Redis client talks to Redis: its pid, and
+    whether it keeps one connection of its own (``celery_explicit.redis_state``)."""
+    from celery_explicit import redis_state
+
+    client = redis_state.client()
+    kept = client.connection is not None
+    client.set(f"probe:{token}", f"{os.getpid()}|{int(kept)}", ex=60)
