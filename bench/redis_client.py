@@ -22,8 +22,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import redis
-
 URL = "redis://127.0.0.1:6379/14"
 CHUNK = 250
 
@@ -41,13 +39,11 @@ def main() -> None:
     )
     django.setup()
     from celery_explicit import execution_lease
-    from celery_explicit.redis_state import OneConnection
+    from celery_explicit.redis_state import new_client
 
     clients: dict[str, Any] = {
-        "pooled": redis.Redis.from_url(URL, socket_timeout=5, socket_connect_timeout=5),
-        "kept": OneConnection.from_url(
-            URL, socket_timeout=5, socket_connect_timeout=5, single_connection_client=True
-        ),
+        "pooled": new_client(URL, keep_one=False),
+        "kept": new_client(URL, keep_one=True),
     }
 
     def cycle(client: Any, job: str) -> None:

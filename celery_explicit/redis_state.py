@@ -73,17 +73,19 @@ def client() -> Any:
         return found
     with _clients_lock:
         if (url, pid) not in _clients:
-            # Timeouts: the worker's main loop extends leases with this client, and
-            # a Redis that stops answering must not stall it.
-            if _one_job_at_a_time_in == pid:
-                _clients[(url, pid)] = OneConnection.from_url(
-                    url, socket_timeout=5, socket_connect_timeout=5, single_connection_client=True
-                )
-            else:
-                _clients[(url, pid)] = redis.Redis.from_url(
-                    url, socket_timeout=5, socket_connect_timeout=5
-                )
+            _clients[(url, pid)] = new_client(url, keep_one=_one_job_at_a_time_in == pid)
         return _clients[(url, pid)]
+
+
+def new_client(url: str, *, keep_one: bool) -> Any:
+    """A client for ``url``: ``OneConnection`` when ``keep_one``, else redis-py's pooled
+    one. Timeouts: the worker's main loop extends leases with this client, and a Redis
+    that stops answering must not stall it."""
+    if keep_one:
+        return OneConnection.from_url(
+            url, socket_timeout=5, socket_connect_timeout=5, single_connection_client=True
+        )
+    return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
 
 
 def one_job_at_a_time(**_: Any) -> None:
