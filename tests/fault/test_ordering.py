@@ -2,7 +2,7 @@
 
 Events for many orders are published in a shuffled interleaving (each order's own
 events in sequence) to two workers of two processes each; handlers take random
-time, on each broker. With ``ordering_key`` every order's events run in publish order and each order
+time, and an odd event longer than the even one after it, on each broker. With ``ordering_key`` every order's events run in publish order and each order
 ends in its last event's state; the negative control (no ordering key) ends some
 orders in an older state.
 """
