@@ -32,10 +32,17 @@ ROUNDS = scaled(4, 100)
 def rounds(start_worker, redis_client, lease: str, first_order: int) -> Tally[str]:  # type: ignore[no-untyped-def]
     env = {"EXPLICIT_EXECUTION_LEASE": lease}
     workers = [start_worker(concurrency=1, extra_env=env) for _ in range(2)]
-    return Tally(
-        stop_and_wake(redis_client, workers[0].queue, order)
-        for order in range(first_order, first_order + ROUNDS)
-    )
+    try:
+        return Tally(
+            stop_and_wake(redis_client, workers[0].queue, order)
+            for order in range(first_order, first_order + ROUNDS)
+        )
+    finally:
+        # Stopped before the next call's workers start on the same queue: left running,
+        # the lease-on workers took some of the control's rounds and fenced their stale
+        # commit, so the control could miss in every round (seen: 2 of 4 landed).
+        for worker in workers:
+            worker.stop()
 
 
 def test_r3_stopped_past_its_lease(start_worker, redis_client) -> None:

@@ -61,7 +61,7 @@ pytestmark = [
     pytest.mark.worker,
     pytest.mark.django_db(transaction=True),
     # The suite's 120 s per test is the short scale's; the full scale runs for minutes.
-    pytest.mark.timeout(scaled(120, 600)),
+    pytest.mark.timeout(scaled(300, 600)),
 ]
 
 JOBS = scaled(150, 1000)

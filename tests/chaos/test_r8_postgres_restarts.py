@@ -42,7 +42,7 @@ pytestmark = [
     pytest.mark.worker,
     pytest.mark.django_db(transaction=True),
     # The suite's 120 s per test is the short scale's; the full scale runs for minutes.
-    pytest.mark.timeout(scaled(120, 900)),
+    pytest.mark.timeout(scaled(300, 900)),
 ]
 
 JOBS = scaled(100, 1000)

@@ -134,11 +134,16 @@ def test_rabbitmq_redelivery_after_connection_loss_does_not_run_concurrently(
         extra_env={"EXPLICIT_TEST_BROKER_URL": RABBITMQ_URL, "EXPLICIT_EXECUTION_LEASE": lease}
     )
     ops = [uuid.uuid4().hex[:8] for _ in range(3)]
+    # The control overlaps only if the redelivered run starts before the first one ends,
+    # after the consumer's reconnect, which took seconds on a loaded machine: its runs
+    # hold 15 s, so every op overlaps. RabbitMQ redelivers on connection loss, not on
+    # time, so the longer hold changes nothing else.
+    seconds = 15 if concurrent else 6
     for op in ops:
         Counter.objects.create(name=op)
         with Connection(RABBITMQ_URL) as conn:
             HoldsTheLine().apply_async(
-                kwargs={"name": op, "op_id": op, "seconds": 6}, queue=queue, connection=conn
+                kwargs={"name": op, "op_id": op, "seconds": seconds}, queue=queue, connection=conn
             )
         wait_for(
             lambda op=op: redis_client.llen(f"started:{op}") >= 1,

@@ -1,10 +1,11 @@
 """Fault test: per-entity ordering under several worker processes.
 
 Events for many orders are published in a shuffled interleaving (each order's own
-events in sequence) to two workers of two processes each; handlers take random
-time, and an odd event longer than the even one after it, on each broker. With ``ordering_key`` every order's events run in publish order and each order
-ends in its last event's state; the negative control (no ordering key) ends some
-orders in an older state.
+events in sequence) to two workers of two processes each, on each broker; handlers
+take random time, and an odd event longer than the even one after it. With
+``ordering_key`` every order's events run in publish order and each order ends in its
+last event's state; the negative control (no ordering key) ends some orders in an
+older state and runs some out of order.
 """
 
 from __future__ import annotations

@@ -170,8 +170,9 @@ def test_deferrals_are_counted_on_the_attempt_that_runs_and_explained(start_work
     order = int(uuid.uuid4().int % 10**9)
     tag = uuid.uuid4().hex[:6]
     start_worker()
-    # Numbers are taken at publish: job 1 first, but held back 1.5 s by a countdown.
-    ApplyOrderEvent().apply_async(args=[order, 1, tag], queue=queue, countdown=1.5)
+    # Numbers are taken at publish: job 1 first, but held back 5 s by a countdown (job 2
+    # must be handled before it is due, even on a loaded machine).
+    ApplyOrderEvent().apply_async(args=[order, 1, tag], queue=queue, countdown=5)
     ApplyOrderEvent().apply_async(args=[order, 2, tag], queue=queue)
     wait_for(lambda: Attempt.objects.filter(idempotency_key=f"order:{order}:event:2").exists())
     second = Attempt.objects.get(idempotency_key=f"order:{order}:event:2")

@@ -103,12 +103,13 @@ def test_both_write_the_same_unacked_entry(channel, redis_client) -> None:
 
 
 def test_the_sweep_puts_it_back_when_its_lease_runs_out(channel, redis_client) -> None:
-    lease_on_delivery(channel.channel.qos, {LEASED: 0.3})
+    # 2 s: the first sweep must come before the lease runs out, even on a loaded machine.
+    lease_on_delivery(channel.channel.qos, {LEASED: 2.0})
     leased = deliver(channel, LEASED)
     plain = deliver(channel, "tests.plain")
     channel.channel.qos.restore_visible(interval=1)
     assert redis_client.llen(channel.queue_key) == 0  # its lease still runs
-    time.sleep(0.5)
+    time.sleep(2.3)
     channel.channel.qos.restore_visible(interval=1)
     # Back on its queue, whole; the other message waits for the 60 s backstop.
     assert redis_client.zscore(channel.index, leased.delivery_tag) is None

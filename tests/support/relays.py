@@ -113,14 +113,21 @@ def main() -> None:
             return run_claim(self.using, self.sql, self.batch_size)
 
     class OrderBlindRelay(Relay):
-        """SKIP LOCKED without the head-of-key test: relays publish one key in parallel."""
+        """SKIP LOCKED without the head-of-key test: relays publish one key in parallel.
+
+        A batch whose first id is odd is held 50 ms after its claim, far longer than a
+        relay's cycle, so another relay publishes the batch after it first: the overtaking
+        happens every run, not only when the scheduler allows it."""
 
         sql = without(
             r"AND \(event\.ordering_key = '' OR NOT EXISTS \(.*?earlier\.id < event\.id\)\)"
         )
 
         def claim(self) -> list[Any]:
-            return run_claim(self.using, self.sql, self.batch_size)
+            claimed = run_claim(self.using, self.sql, self.batch_size)
+            if claimed and claimed[0].id % 2:
+                time.sleep(0.05)
+            return claimed
 
     class SlowMarkRelay(Relay):
         """The production relay, pausing between the send and the mark (``flushed`` in
