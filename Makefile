@@ -24,6 +24,9 @@ bench-p1:
 bench-p1-floor:
 	./scripts/bench p1_throughput.py --floor
 
+bench-p1-processes:
+	./scripts/bench p1_throughput.py --floor --by-process --tasks 1000 --rounds 4
+
 bench-p2:
 	./scripts/bench p2_effect.py
 

@@ -6,6 +6,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +76,62 @@ def start_worker(queue: str, *more: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
     )
+
+
+class ProcessCPU:
+    """CPU seconds (user + system) spent so far by each part of an end-to-end run, read
+    from /proc (Linux): this process (the publisher), a worker's main process, its pool
+    children, the PostgreSQL server and the Redis server.
+
+    PostgreSQL's backends come and go (Celery's Django fixup reconnects every
+    ``CELERY_DB_REUSE_MAX`` tasks), so the server is counted as the postmaster with the
+    CPU of its exited children (``cutime``/``cstime``) plus each live child: a backend
+    that exits between two readings moves from the one to the other.
+    """
+
+    PARTS = ("publisher", "worker main", "pool children", "postgres", "redis")
+
+    def __init__(self, worker_pid: int) -> None:
+        self.worker_pid = worker_pid
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.postmaster = _oldest("postgres")
+        self.redis = _oldest("redis-server")
+
+    def read(self) -> dict[str, float]:
+        return {
+            "publisher": time.process_time(),
+            "worker main": self._own(self.worker_pid),
+            "pool children": sum(map(self._own, _children(self.worker_pid))),
+            "postgres": self._own(self.postmaster, reaped=True)
+            + sum(map(self._own, _children(self.postmaster))),
+            "redis": self._own(self.redis, reaped=True) if self.redis else 0.0,
+        }
+
+    def _own(self, pid: int, *, reaped: bool = False) -> float:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            return 0.0  # exited between the listing and the read
+        # utime, stime (and cutime, cstime): fields 14-17 of proc(5), after the name.
+        ticks = int(fields[11]) + int(fields[12])
+        if reaped:
+            ticks += int(fields[13]) + int(fields[14])
+        return ticks / self.tick
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as listing:
+            return [int(child) for child in listing.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _oldest(name: str) -> int:
+    """The first process of that name (pgrep -o): the postmaster, the Redis server."""
+    out = subprocess.run(["pgrep", "-o", "-x", name], capture_output=True, text=True).stdout
+    return int(out.split()[0]) if out.split() else 0
 
 
 def summary(name: str, rates: list[float]) -> str:

@@ -5,17 +5,23 @@ contract (key rendered at publish and in the worker, ledger row in the effect's
 transaction, one attempt row). Same broker (Redis), same worker (prefork -c 2,
 acks_late, prefetch 4, results off), rounds interleaved in one run. Target: >= 0.90.
 
-    .venv/bin/python bench/p1_throughput.py [--tasks 1000] [--rounds 4]
+    .venv/bin/python bench/p1_throughput.py [--tasks 1000] [--rounds 4] [--floor] [--by-process]
+
+``--by-process`` also prints, for each side, the CPU µs a job spent in each process of
+the run (this publisher, the worker's main process, its pool children, PostgreSQL,
+Redis; medians of the rounds), read from /proc: where an end-to-end job's cost lands,
+beyond the pool child that ``p1c_cpu.py`` measures.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 import uuid
 
-from common import reset_rows, setup_django, start_worker, summary
+from common import ProcessCPU, reset_rows, setup_django, start_worker, summary
 
 
 def main() -> None:
@@ -27,6 +33,12 @@ def main() -> None:
         action="store_true",
         help="also run bench.floor_update: the contract's statements "
         "by hand, with none of our Python (bench/benchapp/tasks.py)",
+    )
+    parser.add_argument(
+        "--by-process",
+        action="store_true",
+        help="also print CPU µs a job by process (publisher, worker main, pool "
+        "children, PostgreSQL, Redis) for each side",
     )
     args = parser.parse_args()
     queue = f"bench-{uuid.uuid4().hex[:8]}"
@@ -43,28 +55,38 @@ def main() -> None:
 
     worker = start_worker(queue)
     time.sleep(4)  # WARNING level prints no "ready": give it time to start
+    cpu = ProcessCPU(worker.pid)
+    #: task name -> one {part: CPU µs a job} per measured round
+    by_process: dict[str, list[dict[str, float]]] = {}
 
     def total() -> int:
         return int(Row.objects.aggregate(s=Sum("value"))["s"] or 0)
 
-    def run(task, n: int) -> float:  # type: ignore[no-untyped-def]
+    def run(task, n: int, *, measured: bool = True) -> float:  # type: ignore[no-untyped-def]
         target = total() + n
+        before = cpu.read()
         start = time.perf_counter()
         with app.producer_or_acquire() as producer:
             for i in range(n):
                 task.apply_async(args=[i % 100, uuid.uuid4().hex], queue=queue, producer=producer)
         while total() < target:
             time.sleep(0.01)
-        return n / (time.perf_counter() - start)
+        rate = n / (time.perf_counter() - start)
+        if measured:
+            after = cpu.read()
+            by_process.setdefault(task.name, []).append(
+                {part: (after[part] - before[part]) / n * 1e6 for part in after}
+            )
+        return rate
 
     try:
-        run(plain_update, 200)  # warm-up: pool children, connections
-        run(ExplicitUpdate(), 200)
+        run(plain_update, 200, measured=False)  # warm-up: pool children, connections
+        run(ExplicitUpdate(), 200, measured=False)
         plain: list[float] = []
         explicit: list[float] = []
         floor: list[float] = []
         if args.floor:
-            run(floor_update, 200)
+            run(floor_update, 200, measured=False)
         for r in range(args.rounds):
             order = [(plain_update, plain), (ExplicitUpdate(), explicit)]
             if args.floor:
@@ -93,6 +115,14 @@ def main() -> None:
             f"P1a ExplicitTask / floor per round: {', '.join(f'{r:.3f}' for r in over_floor)}"
             f"  -> median {sorted(over_floor)[len(over_floor) // 2]:.3f} (target >= 0.95)"
         )
+    if args.by_process:
+        print("CPU µs a job by process (median of rounds; the polling of this process")
+        print("for the total counts in 'publisher'):")
+        print(f"  {'':<24}" + "".join(f"{part:>15}" for part in (*ProcessCPU.PARTS, "all")))
+        for name, rounds in by_process.items():
+            medians = [statistics.median(r[part] for r in rounds) for part in ProcessCPU.PARTS]
+            all_parts = statistics.median(sum(r.values()) for r in rounds)
+            print(f"  {name:<24}" + "".join(f"{m:15.0f}" for m in (*medians, all_parts)))
 
 
 if __name__ == "__main__":
