@@ -1,5 +1,5 @@
 # Convenience targets; scripts/ holds the real commands.
-.PHONY: test demo lint chaos chaos-short bench bench-p1 bench-p1-floor bench-p2 bench-p2-ceiling bench-p3 bench-p4 bench-p5 bench-lag
+.PHONY: test demo lint chaos chaos-short bench bench-p1 bench-p1-floor bench-p1-processes bench-p2 bench-p2-ceiling bench-p3 bench-p4 bench-p5 bench-lag
 
 test:
 	./scripts/test

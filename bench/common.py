@@ -81,21 +81,31 @@ def start_worker(queue: str, *more: str) -> subprocess.Popen[bytes]:
 class ProcessCPU:
     """CPU seconds (user + system) spent so far by each part of an end-to-end run, read
     from /proc (Linux): this process (the publisher), a worker's main process, its pool
-    children, the PostgreSQL server and the Redis server.
+    children, the PostgreSQL server and the Redis server the bench talks to.
 
+    The servers are counted whole (every client of theirs and their background work,
+    this process's polling included), so run nothing else against them meanwhile.
     PostgreSQL's backends come and go (Celery's Django fixup reconnects every
-    ``CELERY_DB_REUSE_MAX`` tasks), so the server is counted as the postmaster with the
-    CPU of its exited children (``cutime``/``cstime``) plus each live child: a backend
-    that exits between two readings moves from the one to the other.
+    ``CELERY_DB_REUSE_MAX`` tasks), so it is counted as the postmaster with the CPU of
+    its exited children (``cutime``/``cstime``) plus each live child: a backend that
+    exits between two readings moves from the one to the other.
     """
 
     PARTS = ("publisher", "worker main", "pool children", "postgres", "redis")
 
-    def __init__(self, worker_pid: int) -> None:
+    def __init__(self, worker_pid: int, redis_url: str) -> None:
+        import redis
+        from django.db import connection
+
         self.worker_pid = worker_pid
         self.tick = os.sysconf("SC_CLK_TCK")
-        self.postmaster = _oldest("postgres")
-        self.redis = _oldest("redis-server")
+        # Asked of the servers themselves: the machine may run other PostgreSQL and
+        # Redis servers (the test suite starts private ones).
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            backend = cursor.fetchone()[0]
+        self.postmaster = _stat(backend)[1]  # a backend's parent is the postmaster
+        self.redis = int(redis.Redis.from_url(redis_url).info("server")["process_id"])
 
     def read(self) -> dict[str, float]:
         return {
@@ -104,34 +114,35 @@ class ProcessCPU:
             "pool children": sum(map(self._own, _children(self.worker_pid))),
             "postgres": self._own(self.postmaster, reaped=True)
             + sum(map(self._own, _children(self.postmaster))),
-            "redis": self._own(self.redis, reaped=True) if self.redis else 0.0,
+            "redis": self._own(self.redis, reaped=True),
         }
 
     def _own(self, pid: int, *, reaped: bool = False) -> float:
         try:
-            with open(f"/proc/{pid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            return 0.0  # exited between the listing and the read
-        # utime, stime (and cutime, cstime): fields 14-17 of proc(5), after the name.
-        ticks = int(fields[11]) + int(fields[12])
+            fields = _stat(pid)
+        except FileNotFoundError:
+            return 0.0  # a child that exited between the listing and the read
+        # proc(5): utime and stime are fields 14 and 15, cutime and cstime 16 and 17;
+        # _stat starts its list at field 3.
+        ticks = fields[11] + fields[12]
         if reaped:
-            ticks += int(fields[13]) + int(fields[14])
+            ticks += fields[13] + fields[14]
         return ticks / self.tick
 
 
+def _stat(pid: int) -> list[int]:
+    """/proc/PID/stat from its field 3 (state) on, the numbers as ints (state as 0)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        rest = stat.read().rsplit(")", 1)[1].split()
+    return [0] + [int(field) for field in rest[1:]]
+
+
 def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as listing:
-            return [int(child) for child in listing.read().split()]
-    except FileNotFoundError:
-        return []
-
-
-def _oldest(name: str) -> int:
-    """The first process of that name (pgrep -o): the postmaster, the Redis server."""
-    out = subprocess.run(["pgrep", "-o", "-x", name], capture_output=True, text=True).stdout
-    return int(out.split()[0]) if out.split() else 0
+    """The children of ``pid``'s main thread (both the worker and the postmaster fork
+    from theirs). Missing only on kernels without CONFIG_PROC_CHILDREN: refused, since
+    the counts would read 0."""
+    with open(f"/proc/{pid}/task/{pid}/children") as listing:
+        return [int(child) for child in listing.read().split()]
 
 
 def summary(name: str, rates: list[float]) -> str:

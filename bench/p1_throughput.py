@@ -55,7 +55,9 @@ def main() -> None:
 
     worker = start_worker(queue)
     time.sleep(4)  # WARNING level prints no "ready": give it time to start
-    cpu = ProcessCPU(worker.pid)
+    from django.conf import settings
+
+    cpu = ProcessCPU(worker.pid, settings.REDIS_URL)
     #: task name -> one {part: CPU µs a job} per measured round
     by_process: dict[str, list[dict[str, float]]] = {}
 
@@ -116,8 +118,9 @@ def main() -> None:
             f"  -> median {sorted(over_floor)[len(over_floor) // 2]:.3f} (target >= 0.95)"
         )
     if args.by_process:
-        print("CPU µs a job by process (median of rounds; the polling of this process")
-        print("for the total counts in 'publisher'):")
+        print("CPU µs a job by process, each the median of the rounds; 'all' is the median")
+        print("of each round's sum. The servers count whole: this process's polling for the")
+        print("total lands in 'publisher' and 'postgres', and grows with a side's wall time.")
         print(f"  {'':<24}" + "".join(f"{part:>15}" for part in (*ProcessCPU.PARTS, "all")))
         for name, rounds in by_process.items():
             medians = [statistics.median(r[part] for r in rounds) for part in ProcessCPU.PARTS]

@@ -4,8 +4,8 @@ Events for many orders are published in a shuffled interleaving (each order's ow
 events in sequence) to two workers of two processes each, on each broker; handlers
 take random time, and an odd event longer than the even one after it. With
 ``ordering_key`` every order's events run in publish order and each order ends in its
-last event's state; the negative control (no ordering key) ends some orders in an
-older state and runs some out of order.
+last event's state; the negative control (no ordering key) runs some orders' events
+out of order.
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def test_deferrals_are_counted_on_the_attempt_that_runs_and_explained(start_work
     tag = uuid.uuid4().hex[:6]
     start_worker()
     # Numbers are taken at publish: job 1 first, but held back 5 s by a countdown (job 2
-    # must be handled before it is due, even on a loaded machine).
+    # must be handled before job 1 is due, even on a loaded machine).
     ApplyOrderEvent().apply_async(args=[order, 1, tag], queue=queue, countdown=5)
     ApplyOrderEvent().apply_async(args=[order, 2, tag], queue=queue)
     wait_for(lambda: Attempt.objects.filter(idempotency_key=f"order:{order}:event:2").exists())

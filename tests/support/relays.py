@@ -115,17 +115,19 @@ def main() -> None:
     class OrderBlindRelay(Relay):
         """SKIP LOCKED without the head-of-key test: relays publish one key in parallel.
 
-        A batch whose first id is odd is held 50 ms after its claim, far longer than a
-        relay's cycle, so another relay publishes the batch after it first: the overtaking
-        happens every run, not only when the scheduler allows it."""
+        Every other claim of a relay is held 50 ms, far longer than a relay's cycle, so
+        another relay publishes the batch after it first: the overtaking happens every
+        run, not only when the scheduler allows it."""
 
         sql = without(
             r"AND \(event\.ordering_key = '' OR NOT EXISTS \(.*?earlier\.id < event\.id\)\)"
         )
+        claims = 0
 
         def claim(self) -> list[Any]:
             claimed = run_claim(self.using, self.sql, self.batch_size)
-            if claimed and claimed[0].id % 2:
+            self.claims += 1
+            if claimed and self.claims % 2:
                 time.sleep(0.05)
             return claimed
 

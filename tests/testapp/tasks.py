@@ -478,7 +478,9 @@ class ApplyOrderEvent(ExplicitTask):
         # Workers finish in any order, and an odd event runs longer than the even one after
         # it: two events of one order that run side by side then finish out of order far
         # more often than by chance alone, so the unordered control shows it in every run
-        # (with an even sleep it ran all 12 orders in order about once in 30 runs).
+        # (with only the uniform sleep it ran all 12 orders in order about once in 30
+        # runs). Ordering is decided before the handler runs, so this only makes a
+        # misordering likelier where nothing prevents it.
         time.sleep(random.uniform(0.0, 0.05) + (0.06 if seq % 2 else 0.0))
         with self.effect() as eff:
             if eff.done:
