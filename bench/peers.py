@@ -45,6 +45,14 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=1000, help="jobs a throughput round")
     parser.add_argument("--trounds", type=int, default=3, help="throughput rounds (0: skip)")
     args = parser.parse_args()
+    try:
+        import celery_once  # noqa: F401
+        import celery_singleton  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(
+            f"peers.py compares with celery-once and celery-singleton, and {exc.name} is "
+            "not installed: .venv/bin/pip install -e '.[bench-peers]'"
+        ) from None
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     idle_queue = f"{queue}-nobody"  # the publish part's queue: no worker reads it
     os.environ["EXPLICIT_BENCH_QUEUE"] = queue
