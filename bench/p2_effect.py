@@ -1,7 +1,11 @@
 """P2: ``effect()`` vs a bare ``transaction.atomic()`` doing the same one-row update.
 
-Interleaved blocks in one process on PostgreSQL. Targets: effect/atomic >= 0.93; a
-duplicate hit (key already in the ledger) costs <= 0.5 of a first run.
+Interleaved blocks in one process on PostgreSQL. Issue 13's targets: P2a, effect() /
+its own statements by hand through Django's cursor >= 0.97; P2b, effect() /
+``get_or_create`` of a processed-key row >= 2.0; P2c, a duplicate hit (key already in
+the ledger) / a first run <= 0.40. Also printed: P2b's ceiling, effect()'s statements
+in its three round trips with none of our Python, over ``get_or_create``; and the first
+issue's effect/atomic.
 
     .venv/bin/python bench/p2_effect.py [--ops 2000] [--rounds 5]
 """
@@ -70,6 +74,31 @@ def main() -> None:
                 cursor.execute(result_sql, [key, key])
         return len(keys) / (time.perf_counter() - start)
 
+    def fewest_round_trips(keys: list[str]) -> float:
+        """P2b's ceiling: effect()'s statements in its three round trips (BEGIN + the
+        claim; the update; the result + COMMIT), built with f-strings and sent on
+        libpq's connection: effect() with none of our Python. The keys are the bench's
+        own hex, which need no escaping."""
+        connection.ensure_connection()
+        pgconn = connection.connection.pgconn
+        start = time.perf_counter()
+        for i, key in enumerate(keys):
+            with transaction.atomic():
+                claimed = pgconn.exec_(
+                    f"BEGIN; INSERT INTO {table} (key, task_name, task_id, fingerprint, "
+                    f"result_ref, processed_at) VALUES ('{key}', 'bench', '{key}', 'f', '', "
+                    "now()) ON CONFLICT (key) DO NOTHING RETURNING key".encode()
+                )
+                if claimed.ntuples != 1:
+                    raise RuntimeError(f"{key}: the claim lost ({claimed.error_message!r})")
+                Row.objects.filter(id=i % 100).update(value=F("value") + 1)
+                done = pgconn.exec_(
+                    f"UPDATE {table} SET result_ref = '{key}' WHERE key = '{key}'; COMMIT".encode()
+                )
+                if done.command_status != b"COMMIT":
+                    raise RuntimeError(f"{key}: no COMMIT ({done.error_message!r})")
+        return len(keys) / (time.perf_counter() - start)
+
     from bench.benchapp.models import ProcessedKey, ensure_processed_table
 
     ensure_processed_table()
@@ -90,8 +119,10 @@ def main() -> None:
     with_effect([f"warm-{i}" for i in range(200)])
     by_hand([f"warm-hand-{i}" for i in range(200)])
     get_or_create([f"warm-goc-{i}" for i in range(200)])
+    fewest_round_trips([f"warm-raw-{i}" for i in range(200)])
 
     bare_rates, effect_rates, dup_rates, hand_rates, goc_rates = [], [], [], [], []
+    raw_rates: list[float] = []
     for _ in range(args.rounds):
         keys = [f"p2-{uuid.uuid4().hex}" for _ in range(args.ops)]
         bare_rates.append(bare(keys))
@@ -99,6 +130,7 @@ def main() -> None:
         dup_rates.append(with_effect(keys))  # every key is now in the ledger
         hand_rates.append(by_hand([f"h-{key}" for key in keys]))
         goc_rates.append(get_or_create([f"g-{key}" for key in keys]))
+        raw_rates.append(fewest_round_trips([f"r-{key}" for key in keys]))
 
     print(summary("bare transaction.atomic() update", bare_rates))
     print(summary("effect() first run", effect_rates))
@@ -114,6 +146,13 @@ def main() -> None:
     print(
         f"P2b effect/get_or_create per round: {', '.join(f'{r:.3f}' for r in goc)}"
         f"  -> median {goc[len(goc) // 2]:.3f} (target >= 2.0)"
+    )
+    print(summary("effect()'s statements, raw", raw_rates))
+    ceiling = sorted(r / g for r, g in zip(raw_rates, goc_rates, strict=True))
+    print(
+        f"P2b's ceiling, the same statements raw / get_or_create per round: "
+        f"{', '.join(f'{r:.3f}' for r in ceiling)}  -> median {ceiling[len(ceiling) // 2]:.3f}"
+        " (what effect() would read with none of our Python)"
     )
     ratios = sorted(e / b for e, b in zip(effect_rates, bare_rates, strict=True))
     dup_cost = sorted(e / d for e, d in zip(effect_rates, dup_rates, strict=True))
