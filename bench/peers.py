@@ -11,7 +11,11 @@ in a transaction for one ``op_id``. Three parts, in one run:
    the worker starts); (b) the same job published again after the first has run.
    Reported: what the second ``apply_async`` did, and how many times the row moved.
 3. Throughput end to end (P1's set-up): jobs/s per peer, per-round ratio to the
-   ExplicitTask.
+   ExplicitTask; P1b (ExplicitTask / the hand-rolled guard, target >= 1.25) and its
+   ceiling, the floor / the hand-rolled guard: the floor (``p1_throughput.py``'s) sends
+   the ExplicitTask's statements with none of our Python, so the ExplicitTask cannot
+   read much above it. The floor runs in this part only (a duplicate would fail its
+   claim, which it asserts).
 
     scripts/bench peers.py [--calls 2000] [--rounds 7] [--tasks 1000] [--trounds 3]
 
@@ -71,7 +75,7 @@ def main() -> None:
         once_update,
         singleton_update,
     )
-    from bench.benchapp.tasks import ExplicitUpdate, plain_update
+    from bench.benchapp.tasks import ExplicitUpdate, floor_update, plain_update
     from bench.celery_app import app
     from django_outbox.models import Attempt
 
@@ -86,16 +90,18 @@ def main() -> None:
             locks.delete(key)
 
     clear_peer_locks()
+    handrolled_name = "hand-rolled (Lock + get_or_create)"
     peers: list[tuple[str, Any]] = [
         ("plain Celery task", plain_update),
         ("ExplicitTask", ExplicitUpdate()),
         ("ExplicitTask + dedup_key", ExplicitDedupUpdate()),
         ("celery-once QueueOnce", once_update),
         ("celery-singleton Singleton", singleton_update),
-        ("hand-rolled (Lock + get_or_create)", handrolled_update),
+        (handrolled_name, handrolled_update),
     ]
     names = [name for name, _ in peers]
-    width = max(len(n) for n in names) + 2
+    floor_name = "the floor (its statements by hand)"
+    width = max(len(n) for n in [*names, floor_name]) + 2
 
     # --- 1. publish cost, no worker --------------------------------------------------
     def publish(task: Any, n: int) -> float:
@@ -157,7 +163,7 @@ def main() -> None:
             time.sleep(0.05)
         time.sleep(seconds)
 
-    rates: dict[str, list[float]] = {n: [] for n in names}
+    rates: dict[str, list[float]] = {n: [] for n in [*names, floor_name]}
     again: dict[str, tuple[str, str, int]] = {}
     try:
         time.sleep(4)  # WARNING level prints no "ready": give it time to start
@@ -197,11 +203,12 @@ def main() -> None:
                 time.sleep(0.01)
             return n / (time.perf_counter() - start)
 
+        timed = [*peers, (floor_name, floor_update)]
         if args.trounds:
-            for _, task in peers:
+            for _, task in timed:
                 run(task, 200)  # warm-up: pool children, connections
         for r in range(args.trounds):
-            order = peers[r % len(peers) :] + peers[: r % len(peers)]
+            order = timed[r % len(timed) :] + timed[: r % len(timed)]
             for name, task in order:
                 rates[name].append(run(task, args.tasks))
     finally:
@@ -240,11 +247,21 @@ def main() -> None:
     if args.trounds:
         print(f"\n3. throughput through the worker, {args.tasks} jobs x {args.trounds}")
         explicit = rates[names[1]]
-        for name in names:
+        for name in [*names, floor_name]:
             ratios = sorted(r / e for r, e in zip(rates[name], explicit, strict=True))
             print(
                 f"{summary(name, rates[name])}   / ExplicitTask: "
                 f"{', '.join(f'{x:.3f}' for x in ratios)} -> median {median(ratios):.3f}"
+            )
+        guard = rates[handrolled_name]
+        for label, side, note in (
+            ("P1b ExplicitTask / hand-rolled", explicit, "target >= 1.25"),
+            ("P1b's ceiling, the floor / hand-rolled", rates[floor_name], "none of our Python"),
+        ):
+            ratios = sorted(s / g for s, g in zip(side, guard, strict=True))
+            print(
+                f"{label} per round: {', '.join(f'{x:.3f}' for x in ratios)} "
+                f"-> median {median(ratios):.3f} ({note})"
             )
 
 
