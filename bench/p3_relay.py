@@ -11,12 +11,23 @@ is against: issue 13, P3b) and with ``Producer.publish`` in a loop (one Redis ro
 each). Same Redis, same queue, rounds interleaved; the ratio is taken per round, then
 the median. Target: relay / kombu batched >= 0.5 at batch 500.
 
+Also at the largest batch size, two references with no code of ours:
+
+- a relay written by hand, what a team would write: the claim (the relay's statement)
+  through Django's cursor, each row's message built by Celery's
+  ``create_task_message`` with the relay's headers, kombu's ``Producer.batch()``, the
+  marks and COMMIT;
+- its claim and marks alone (no message built or sent). Their time added to kombu's
+  batched publish gives P3b's ceiling: what the relay would read if its only cost
+  beyond the baseline were the statements every relay of a table sends.
+
     ./scripts/bench p3_relay.py [--events 5000] [--rounds 3] [--batch-sizes 10,100,500]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -39,9 +50,11 @@ def main() -> None:
 
     import redis
     from django.conf import settings as django_settings
+    from django.db import connection, transaction
 
     from bench.benchapp.tasks import ExplicitUpdate
     from bench.celery_app import app
+    from django_outbox.claim import CLAIM_POSTGRESQL
     from django_outbox.models import OutboxEvent
     from django_outbox.relay import Relay
 
@@ -98,6 +111,57 @@ def main() -> None:
             built.append((message.body, headers, {**message.properties, "timestamp": int(sent_at)}))
         return built
 
+    def by_hand_rate(batch_size: int, *, publish: bool = True) -> float:
+        """Claim, build, publish in one pipeline, mark, commit: no code of ours.
+        ``publish=False``: the claim and the marks alone."""
+        fill()
+        broker.delete(queue)
+        published = 0
+        with app.connection_for_write() as conn:
+            producer = conn.Producer(auto_declare=False)
+            producer.publish("warm-up", routing_key=queue)  # connect outside the timing
+            broker.delete(queue)
+            start = time.perf_counter()
+            while True:
+                with transaction.atomic(), connection.cursor() as cursor:
+                    cursor.execute(CLAIM_POSTGRESQL, [batch_size])
+                    rows = cursor.fetchall()
+                    if not rows:
+                        break
+                    if publish:
+                        with producer.batch(max_size=2 * len(rows) + 1):
+                            for _id, event_id, name, args_, kwargs, stored, _o, _k, _a, _c in rows:
+                                # Django reads jsonb as text (JSONField decodes it).
+                                headers = json.loads(stored)
+                                message = app.amqp.create_task_message(
+                                    str(event_id), name, json.loads(args_), json.loads(kwargs)
+                                )
+                                sent_at = time.time()
+                                producer.publish(
+                                    message.body,
+                                    routing_key=queue,
+                                    serializer="json",
+                                    headers={
+                                        **message.headers,
+                                        **headers,
+                                        "explicit_published_via": "outbox",
+                                        "explicit_sent_at": sent_at,
+                                    },
+                                    **{**message.properties, "timestamp": int(sent_at)},
+                                )
+                    ids = ",".join(str(row[0]) for row in rows)
+                    cursor.execute(
+                        "SET LOCAL synchronous_commit TO OFF; "
+                        "UPDATE django_outbox_event SET status = 'published', "
+                        "attempts = attempts + 1, published_at = statement_timestamp() "
+                        f"WHERE id = ANY('{{{ids}}}'::bigint[])"
+                    )
+                    published += len(rows)
+            elapsed = time.perf_counter() - start
+        sent = broker.llen(queue)
+        assert published == n and sent == (n if publish else 0), (published, sent)
+        return n / elapsed
+
     def raw_rate(batched: bool) -> float:
         prepared = messages()
         broker.delete(queue)
@@ -130,12 +194,18 @@ def main() -> None:
     raw: list[float] = []
     raw_batched: list[float] = []
     relayed: dict[int, list[float]] = {b: [] for b in batch_sizes}
+    by_hand: list[float] = []
+    statements: list[float] = []
+    largest = max(batch_sizes)
+    by_hand_rate(largest)  # warm-up
     try:
         for _ in range(args.rounds):
             raw.append(raw_rate(False))
             raw_batched.append(raw_rate(True))
             for b in batch_sizes:
                 relayed[b].append(relay_rate(b))
+            by_hand.append(by_hand_rate(largest))
+            statements.append(by_hand_rate(largest, publish=False))
     finally:
         broker.delete(queue)
         OutboxEvent.objects.all().delete()
@@ -153,6 +223,21 @@ def main() -> None:
             + f" (rounds {', '.join(f'{x:.3f}' for x in vs_batch)})"
             + f"   / raw loop {statistics.median(vs_loop):.2f}"
         )
+    relay = relayed[largest]
+    vs_hand = [r / h for r, h in zip(relay, by_hand, strict=True)]
+    print(
+        summary(f"a relay by hand, batch size {largest}", by_hand)
+        + f"   / kombu batched {statistics.median(by_hand) / statistics.median(raw_batched):.3f}"
+        + f"   the relay / it: {statistics.median(vs_hand):.3f}"
+        + f" (rounds {', '.join(f'{x:.3f}' for x in vs_hand)})"
+    )
+    print(summary(f"its claim and marks alone, batch {largest}", statements))
+    # Per round: kombu's time per event plus the statements' time per event.
+    ceiling = [1 / (1 + k / c) for k, c in zip(raw_batched, statements, strict=True)]
+    print(
+        f"P3b's ceiling, kombu batched with the claim and marks added, per round: "
+        f"{', '.join(f'{x:.3f}' for x in ceiling)} -> median {statistics.median(ceiling):.3f}"
+    )
     print("target: relay / kombu Producer.batch() >= 0.5 at batch size 500")
 
 
