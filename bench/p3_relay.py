@@ -227,7 +227,8 @@ def main() -> None:
     vs_hand = [r / h for r, h in zip(relay, by_hand, strict=True)]
     print(
         summary(f"a relay by hand, batch size {largest}", by_hand)
-        + f"   / kombu batched {statistics.median(by_hand) / statistics.median(raw_batched):.3f}"
+        + "   / kombu batched "
+        + f"{statistics.median(h / k for h, k in zip(by_hand, raw_batched, strict=True)):.3f}"
         + f"   the relay / it: {statistics.median(vs_hand):.3f}"
         + f" (rounds {', '.join(f'{x:.3f}' for x in vs_hand)})"
     )
