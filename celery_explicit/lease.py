@@ -388,11 +388,13 @@ class LiveLease:
 def live_leases(client: Any, *, prefix: str | None = None) -> list[LiveLease]:
     """Every lease record in the broker's Redis (SCAN, not KEYS)."""
     found = []
-    now_ms = time.time() * 1000
     prefix = prefix or redis_state.prefix()
     for raw_key in client.scan_iter(match=f"{prefix}lease:*", count=500, _type="HASH"):
         key = text(raw_key)
         info = {text(k): text(v) for k, v in client.hgetall(key).items()}
+        # The clock is read after the record: a heartbeat landing between a clock read
+        # first and the record would show more time left than the lease's length.
+        now_ms = time.time() * 1000
         if not info:
             continue  # acked or expired between SCAN and now
         found.append(
