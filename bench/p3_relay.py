@@ -27,11 +27,13 @@ Also at the largest batch size, two references with no code of ours:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from common import setup_django, summary, vacuum
@@ -111,16 +113,22 @@ def main() -> None:
             built.append((message.body, headers, {**message.properties, "timestamp": int(sent_at)}))
         return built
 
+    @contextlib.contextmanager
+    def connected_producer() -> Iterator[Any]:
+        """A producer whose connection is made outside the timing, on an empty queue."""
+        with app.connection_for_write() as conn:
+            producer = conn.Producer(auto_declare=False)
+            producer.publish("warm-up", routing_key=queue)
+            broker.delete(queue)
+            yield producer
+
     def by_hand_rate(batch_size: int, *, publish: bool = True) -> float:
         """Claim, build, publish in one pipeline, mark, commit: no code of ours.
         ``publish=False``: the claim and the marks alone."""
         fill()
         broker.delete(queue)
         published = 0
-        with app.connection_for_write() as conn:
-            producer = conn.Producer(auto_declare=False)
-            producer.publish("warm-up", routing_key=queue)  # connect outside the timing
-            broker.delete(queue)
+        with connected_producer() as producer:
             start = time.perf_counter()
             while True:
                 with transaction.atomic(), connection.cursor() as cursor:
@@ -165,10 +173,7 @@ def main() -> None:
     def raw_rate(batched: bool) -> float:
         prepared = messages()
         broker.delete(queue)
-        with app.connection_for_write() as conn:
-            producer = conn.Producer(auto_declare=False)
-            producer.publish("warm-up", routing_key=queue)  # connect outside the timing
-            broker.delete(queue)
+        with connected_producer() as producer:
             start = time.perf_counter()
             if batched:
                 with producer.batch(max_size=1000):
