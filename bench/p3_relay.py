@@ -17,6 +17,12 @@ Also at the largest batch size, two references with no code of ours:
   through Django's cursor, each row's message built by Celery's
   ``create_task_message`` with the relay's headers, kombu's ``Producer.batch()``, the
   marks and COMMIT;
+- the same relay by hand through Celery's own send path, the cheapest way Celery
+  allows: ``create_task_message`` given the arguments' reprs (``repr()``, not
+  ``saferepr``) and ``app.amqp.send_task_message`` (the publish signals, the
+  exchange and routing Celery adds). No code of ours runs in it: what it reads
+  against kombu's batched publish is what P3b could read with our per-event Python
+  at zero, unless Celery's send path itself were replaced;
 - its claim and marks alone (no message built or sent). Their time added to kombu's
   batched publish gives P3b's ceiling: what the relay would read if its only cost
   beyond the baseline were the statements every relay of a table sends.
@@ -122,9 +128,10 @@ def main() -> None:
             broker.delete(queue)
             yield producer
 
-    def by_hand_rate(batch_size: int, *, publish: bool = True) -> float:
+    def by_hand_rate(batch_size: int, *, publish: bool = True, celery_send: bool = False) -> float:
         """Claim, build, publish in one pipeline, mark, commit: no code of ours.
-        ``publish=False``: the claim and the marks alone."""
+        ``publish=False``: the claim and the marks alone. ``celery_send``: the reprs
+        by ``repr()`` and the message sent through Celery's ``send_task_message``."""
         fill()
         broker.delete(queue)
         published = 0
@@ -141,10 +148,26 @@ def main() -> None:
                             for _id, event_id, name, args_, kwargs, stored, _o, _k, _a, _c in rows:
                                 # Django reads jsonb as text (JSONField decodes it).
                                 headers = json.loads(stored)
-                                message = app.amqp.create_task_message(
-                                    str(event_id), name, json.loads(args_), json.loads(kwargs)
-                                )
+                                args_, kwargs = json.loads(args_), json.loads(kwargs)
                                 sent_at = time.time()
+                                if celery_send:
+                                    send_by_celery(
+                                        producer,
+                                        str(event_id),
+                                        name,
+                                        args_,
+                                        kwargs,
+                                        {
+                                            **headers,
+                                            "explicit_published_via": "outbox",
+                                            "explicit_sent_at": sent_at,
+                                        },
+                                        sent_at,
+                                    )
+                                    continue
+                                message = app.amqp.create_task_message(
+                                    str(event_id), name, args_, kwargs
+                                )
                                 producer.publish(
                                     message.body,
                                     routing_key=queue,
@@ -169,6 +192,30 @@ def main() -> None:
         sent = broker.llen(queue)
         assert published == n and sent == (n if publish else 0), (published, sent)
         return n / elapsed
+
+    def send_by_celery(
+        producer: Any,
+        task_id: str,
+        name: str,
+        args_: list[Any],
+        kwargs: dict[str, Any],
+        headers: dict[str, Any],
+        sent_at: float,
+    ) -> None:
+        """One event through Celery's own message building and send path, reprs by
+        ``repr()``: what ``Celery.send_task`` does with no router, no options."""
+        message = app.amqp.create_task_message(
+            task_id,
+            name,
+            args_,
+            kwargs,
+            argsrepr=repr(args_),
+            kwargsrepr=repr(kwargs),
+            timestamp=int(sent_at),
+        )
+        app.amqp.send_task_message(
+            producer, name, message, queue=queue, headers=headers, retry=False, declare=[]
+        )
 
     def raw_rate(batched: bool) -> float:
         prepared = messages()
@@ -200,6 +247,7 @@ def main() -> None:
     raw_batched: list[float] = []
     relayed: dict[int, list[float]] = {b: [] for b in batch_sizes}
     by_hand: list[float] = []
+    celery_path: list[float] = []
     statements: list[float] = []
     largest = max(batch_sizes)
     by_hand_rate(largest)  # warm-up
@@ -210,6 +258,7 @@ def main() -> None:
             for b in batch_sizes:
                 relayed[b].append(relay_rate(b))
             by_hand.append(by_hand_rate(largest))
+            celery_path.append(by_hand_rate(largest, celery_send=True))
             statements.append(by_hand_rate(largest, publish=False))
     finally:
         broker.delete(queue)
@@ -236,6 +285,14 @@ def main() -> None:
         + f"{statistics.median(h / k for h, k in zip(by_hand, raw_batched, strict=True)):.3f}"
         + f"   the relay / it: {statistics.median(vs_hand):.3f}"
         + f" (rounds {', '.join(f'{x:.3f}' for x in vs_hand)})"
+    )
+    vs_celery = [c / k for c, k in zip(celery_path, raw_batched, strict=True)]
+    print(
+        summary(f"by hand through Celery's send path, batch {largest}", celery_path)
+        + f"   / kombu batched {statistics.median(vs_celery):.3f}"
+        + f" (rounds {', '.join(f'{x:.3f}' for x in vs_celery)})"
+        + "   the relay / it: "
+        + f"{statistics.median(r / c for r, c in zip(relay, celery_path, strict=True)):.3f}"
     )
     print(summary(f"its claim and marks alone, batch {largest}", statements))
     # Per round: kombu's time per event plus the statements' time per event.
