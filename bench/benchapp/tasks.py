@@ -43,55 +43,108 @@ def noop(row_id: int, op_id: str) -> None:
 
 
 # --- the floor: what the contract must send, with none of our Python around it -------
-# One SET NX PX and one DEL (the execution lease's two round trips), BEGIN + the ledger
-# claim in one string, the same ORM update, the attempt row + the fence check + COMMIT
-# in one string: the statements ExplicitUpdate's job sends, built by hand with
-# f-strings (issue 13: "not through our code"; the values are the bench's own hex ids,
-# which need no escaping). Not sent: the message's visibility lease (the worker's main
-# process, about 0.2 scripts a job), and the fence counter's INCR inside the lease's
-# acquire. P1a against this task says how much our Python adds to the statements.
-# EXPLICIT_EXECUTION_LEASE=0 drops the two Redis round trips here as it drops the lease.
+# The statements ExplicitUpdate's job sends from its pool child, on the wire as it
+# sends them (read off PostgreSQL's log_statement and Redis's MONITOR), built by hand
+# with f-strings (issue 13: "not through our code"; the values are the bench's own ids
+# and ISO timestamps, which need no escaping):
+# - the execution lease's two functions (FCALL acquire: the lease, its held-marker and
+#   the fence counter; FCALL release), with the same keys and arguments;
+# - BEGIN + the ledger claim (a 64-character fingerprint, a literal timestamp) + the
+#   read of the stored row, in one string;
+# - the same ORM update;
+# - the attempt row with all its columns + the fence check + COMMIT, in one string.
+# The lease functions are our Lua on the server: what the contract needs Redis to do
+# atomically. The library is loaded once, before the first job, not per job. Not
+# sent: the message's visibility lease (the worker's main process, about 0.2 scripts
+# a job). P1a against this task says how much our Python adds to the statements.
+# EXPLICIT_EXECUTION_LEASE=0 drops the lease's round trips and the fence check here as
+# it drops them in the ExplicitTask.
 _floor_redis: Any = None
+_floor_functions: tuple[str, str, str] = ("", "", "")
 _FLOOR_LEASED = os.environ.get("EXPLICIT_EXECUTION_LEASE", "1") not in ("0", "false", "off")
+#: Stands for the SHA-256 of the call's arguments: a value of the same length.
+_FLOOR_FINGERPRINT = "f" * 64
 
 
-@app.task(name="bench.floor_update", acks_late=True)
-def floor_update(row_id: int, op_id: str) -> None:
-    global _floor_redis
-    import redis
-    from django.conf import settings
+def _floor_lease_client() -> Any:
+    """The floor's Redis client, with our function library loaded (once)."""
+    global _floor_redis, _floor_functions
+    if _floor_redis is None:
+        import redis
+        from django.conf import settings
+
+        from celery_explicit import redis_state
+        from celery_explicit.redis_scripts import library
+
+        client = redis.Redis.from_url(settings.REDIS_URL)
+        lib = library()
+        client.execute_command("FUNCTION", "LOAD", "REPLACE", lib.code)
+        names = lib.function_names
+        _floor_functions = (
+            redis_state.prefix(),
+            names["execution_lease_acquire"],
+            names["execution_lease_release"],
+        )
+        _floor_redis = client
+    return _floor_redis
+
+
+@app.task(name="bench.floor_update", acks_late=True, bind=True)
+def floor_update(self: Any, row_id: int, op_id: str) -> None:
+    import time
+    from datetime import UTC, datetime
+
     from django.db import connection
 
-    if _floor_redis is None:
-        _floor_redis = redis.Redis.from_url(settings.REDIS_URL)
-    lease = f"bench:floor:{op_id}"
+    task_id = self.request.id
+    owner = f"bench:{os.getpid()}"
+    fence = 1
     if _FLOOR_LEASED:
-        _floor_redis.set(lease, "holder", nx=True, px=30_000)
+        client = _floor_lease_client()
+        prefix, acquire, release = _floor_functions
+        tag = "{" + task_id + "}"
+        lease, held = f"{prefix}run:{tag}", f"{prefix}run-held:{tag}"
+        fence = client.execute_command(
+            "FCALL", acquire, 3, lease, held, f"{prefix}run-fence:{tag}",
+            30_000, owner, int(time.time() * 1000), 86_400, "",
+        )[0]  # fmt: skip
+        assert fence, "the floor's lease was taken"
     connection.ensure_connection()
     pgconn = connection.connection.pgconn
     key = f"bench:{op_id}"
+    started = datetime.now(UTC).isoformat()
     with transaction.atomic():
-        claimed = pgconn.exec_(
+        pgconn.send_query(
             f"BEGIN; INSERT INTO django_outbox_processed_operation (key, task_name, task_id, "
             f"fingerprint, result_ref, processed_at) VALUES ('{key}', 'bench.floor_update', "
-            f"'{op_id}', 'f', '', now()) ON CONFLICT (key) DO NOTHING RETURNING key".encode()
+            f"'{task_id}', '{_FLOOR_FINGERPRINT}', '', '{started}'::timestamptz) "
+            "ON CONFLICT (key) DO NOTHING RETURNING key; "
+            "SELECT fingerprint, result_ref FROM django_outbox_processed_operation "
+            f"WHERE key = '{key}'".encode()
         )
-        assert claimed.ntuples == 1, claimed.error_message  # a fresh key: the claim won
+        results = []
+        while (result := pgconn.get_result()) is not None:
+            results.append(result)
+        # BEGIN, the claim, the read: a fresh key, so the claim won.
+        assert results[1].ntuples == 1, results[1].error_message
         Row.objects.filter(id=row_id).update(value=F("value") + 1)
+        finished = datetime.now(UTC).isoformat()
         last = (
             "INSERT INTO django_outbox_attempt (task_id, task_name, idempotency_key, attempt, "
             "redelivered, worker_host, worker_pid, started_at, finished_at, duration_ms, "
-            "outcome, error_class, error_message, correlation_id, external_request_id) "
-            f"VALUES ('{op_id}', 'bench.floor_update', '{key}', 1, false, 'bench', 1, now(), "
-            f"now(), 0.5, 'applied', '', '', '{op_id}', ''); "
+            "outcome, error_class, error_message, retry_delay, next_attempt_at, "
+            "correlation_id, external_request_id, replay_of, published_via, deferrals) "
+            f"VALUES ('{task_id}', 'bench.floor_update', '{key}', 1, false, 'bench', "
+            f"{os.getpid()}, '{started}'::timestamptz, '{finished}'::timestamptz, 0.5, "
+            f"'applied', '', '', NULL, NULL, '{task_id}', '', NULL, '', NULL); "
         )
         if _FLOOR_LEASED:
             # The fence check effect() sends with the attempt row under a lease.
             last += (
-                "SELECT CAST('stale ' || token AS integer) FROM django_outbox_fence "
-                f"WHERE task_id = '{op_id}' AND token > 1; "
+                "SELECT CAST('explicit: stale fencing token ' || token AS integer) "
+                f"FROM django_outbox_fence WHERE task_id = '{task_id}' AND token > {fence}; "
             )
         committed = pgconn.exec_((last + "COMMIT").encode())
         assert committed.command_status == b"COMMIT", committed.error_message
     if _FLOOR_LEASED:
-        _floor_redis.delete(lease)
+        assert client.execute_command("FCALL", release, 2, lease, held, fence)
