@@ -55,6 +55,10 @@ __all__ = [
 # key: with ``IN (SELECT id FROM claimed)`` the planner, which guesses 200 rows for a
 # CTE, hash-joined it against a scan of the whole table (33 ms for 500 events out of a
 # 20,000-event backlog, against 0.9 ms; each batch cost more the longer the backlog).
+# The id comes back as text and the creation time as seconds since the epoch: psycopg
+# builds a UUID object per row, and Django's timestamptz loader parses the text in
+# Python and sets up per result; loading ten claimed rows took 136 µs with them and
+# 18 µs with these casts (a slow hour of the development machine).
 CLAIM_POSTGRESQL = """
 WITH claimed AS MATERIALIZED (
     SELECT event.id
@@ -70,9 +74,9 @@ WITH claimed AS MATERIALIZED (
     LIMIT %s
     FOR UPDATE OF event SKIP LOCKED
 )
-SELECT event.id, event.event_id, event.task_name, event.args, event.kwargs,
+SELECT event.id, event.event_id::text, event.task_name, event.args, event.kwargs,
        event.headers, event.options, event.ordering_key, event.attempts,
-       event.created_at
+       extract(epoch FROM event.created_at)::float8
 FROM django_outbox_event AS event
 WHERE event.id = ANY(ARRAY(SELECT id FROM claimed))
 ORDER BY event.id
@@ -221,9 +225,11 @@ class OutboxEventManager(models.Manager["OutboxEvent"]):
         return run_claim(using, claim_sql(connections[using].vendor), limit)
 
 
-def _aware(value: datetime | str) -> datetime:
+def _aware(value: datetime | str | float) -> datetime:
+    if isinstance(value, float):
+        return datetime.fromtimestamp(value, UTC)  # PostgreSQL's claim: the epoch
     if isinstance(value, datetime) and value.tzinfo is not None:
-        return value  # PostgreSQL's timestamptz
+        return value  # a timestamptz
     # SQLite hands a raw cursor a naive datetime (or text): stored in UTC (USE_TZ).
     parsed = parse_datetime(value) if isinstance(value, str) else value
     if parsed is None:
