@@ -19,7 +19,7 @@ from typing import Any
 
 from celery import Task
 
-from celery_explicit import declarations, idempotency
+from celery_explicit import arguments, declarations, idempotency
 from celery_explicit import dedup as dedup_mod
 from celery_explicit import ordering as ordering_mod
 from celery_explicit import sensitive as sensitive_mod
@@ -126,6 +126,8 @@ class Contract:
     ordering: ordering_mod.Ordering | None = None
     #: run() parameters never shown or kept in the clear (``celery_explicit.sensitive``).
     sensitive: tuple[str, ...] = ()
+    #: ``signature``'s fast binding (``celery_explicit.arguments``).
+    binder: arguments.Binder = arguments.INSPECT_ONLY
 
 
 def declared_names() -> frozenset[str]:
@@ -280,6 +282,7 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         run_parameters=params,
         run_takes_kwargs=takes_kwargs,
         signature=sig,
+        binder=arguments.Binder.of(sig),
         dedup=dedup_mod.declared(cls, params, takes_kwargs, refuse),
         max_deliveries=max_deliveries,
         max_run_time=max_run_time,

@@ -213,6 +213,9 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """(all arguments with defaults, the arguments the caller gave) or BadInput."""
+        bound_plainly = self.contract.binder.bind(args, kwargs)
+        if bound_plainly is not None:
+            return bound_plainly
         sig = self.contract.signature
         try:
             bound = sig.bind(*args, **kwargs)
