@@ -108,7 +108,7 @@ def main() -> None:
             results[name].append(rate(fn, args.ops))
     for name, rates in results.items():
         print(
-            f"{name:<12} median {statistics.median(rates):9.1f}/s  "
+            f"{name:<13} median {statistics.median(rates):9.1f}/s  "
             f"min {min(rates):9.1f}/s  max {max(rates):9.1f}/s"
         )
     full = [o / r for o, r in zip(results["ours_full"], results["raw_three"], strict=True)]

@@ -54,7 +54,8 @@ def noop(row_id: int, op_id: str) -> None:
 # - the same ORM update;
 # - the attempt row with all its columns + the fence check + COMMIT, in one string.
 # The lease functions are our Lua on the server: what the contract needs Redis to do
-# atomically. The library is loaded once, before the first job, not per job. Not
+# atomically. The library is loaded once, before the first job, not per job (Redis 7
+# functions: unlike our code, the floor has no EVALSHA fallback for Redis 6). Not
 # sent: the message's visibility lease (the worker's main process, about 0.2 scripts
 # a job). P1a against this task says how much our Python adds to the statements.
 # EXPLICIT_EXECUTION_LEASE=0 drops the lease's round trips and the fence check here as
