@@ -145,6 +145,11 @@ def _children(pid: int) -> list[int]:
         return [int(child) for child in listing.read().split()]
 
 
+def per_round(ratios: list[float]) -> str:
+    """Each round's ratio, as the benchmarks print them: ``0.912, 0.887, 0.941``."""
+    return ", ".join(f"{x:.3f}" for x in ratios)
+
+
 def summary(name: str, rates: list[float]) -> str:
     return (
         f"{name:<34} median {statistics.median(rates):9.1f}/s   "

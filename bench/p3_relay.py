@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from common import setup_django, summary, vacuum
+from common import per_round, setup_django, summary, vacuum
 
 
 def main() -> None:
@@ -282,7 +282,7 @@ def main() -> None:
         print(
             summary(f"relay, batch size {b}", rates)
             + f"   / kombu batched {statistics.median(vs_batch):.3f}"
-            + f" (rounds {', '.join(f'{x:.3f}' for x in vs_batch)})"
+            + f" (rounds {per_round(vs_batch)})"
             + f"   / raw loop {statistics.median(vs_loop):.2f}"
         )
     relay = relayed[largest]
@@ -292,13 +292,13 @@ def main() -> None:
         + "   / kombu batched "
         + f"{statistics.median(h / k for h, k in zip(by_hand, raw_batched, strict=True)):.3f}"
         + f"   the relay / it: {statistics.median(vs_hand):.3f}"
-        + f" (rounds {', '.join(f'{x:.3f}' for x in vs_hand)})"
+        + f" (rounds {per_round(vs_hand)})"
     )
     vs_celery = [c / k for c, k in zip(celery_path, raw_batched, strict=True)]
     print(
         summary(f"by hand through Celery's send path, batch {largest}", celery_path)
         + f"   / kombu batched {statistics.median(vs_celery):.3f}"
-        + f" (rounds {', '.join(f'{x:.3f}' for x in vs_celery)})"
+        + f" (rounds {per_round(vs_celery)})"
         + "   the relay / it: "
         + f"{statistics.median(r / c for r, c in zip(relay, celery_path, strict=True)):.3f}"
     )
@@ -307,7 +307,7 @@ def main() -> None:
     ceiling = [1 / (1 + k / c) for k, c in zip(raw_batched, statements, strict=True)]
     print(
         f"P3b's ceiling, kombu batched with the claim and marks added, per round: "
-        f"{', '.join(f'{x:.3f}' for x in ceiling)} -> median {statistics.median(ceiling):.3f}"
+        f"{per_round(ceiling)} -> median {statistics.median(ceiling):.3f}"
     )
     print("target: relay / kombu Producer.batch() >= 0.5 at batch size 500")
 

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 
+from bench.common import per_round
 from celery_explicit.locks import LeaseLock
 
 
@@ -117,11 +118,11 @@ def main() -> None:
     print(
         f"P4a acquire+extend+release / 3 raw round trips: median "
         f"{statistics.median(full):.3f} (target >= 0.9) "
-        f"(rounds {', '.join(f'{x:.3f}' for x in full)})"
+        f"(rounds {per_round(full)})"
     )
     print(
         f"P4a's ceiling, the three smallest scripts of a fenced lock / 3 raw round trips: "
-        f"median {statistics.median(ceiling):.3f} (rounds {', '.join(f'{x:.3f}' for x in ceiling)})"
+        f"median {statistics.median(ceiling):.3f} (rounds {per_round(ceiling)})"
     )
     over_scripts = [
         o / c for o, c in zip(results["ours_full"], results["scripts_three"], strict=True)

@@ -41,7 +41,7 @@ class Binder:
     def of(cls, signature: inspect.Signature) -> Binder:
         params = list(signature.parameters.values())
         if any(p.kind not in _PLAIN for p in params):
-            return cls(None, 0, frozenset(), frozenset(), {})
+            return INSPECT_ONLY
         empty = inspect.Parameter.empty
         return cls(
             names=tuple(p.name for p in params),
