@@ -14,7 +14,13 @@ a script (a ``MULTI`` cannot make its ``INCR`` depend on the ``SET``), and a scr
 costs Redis more than a plain command does; that ceiling against the raw three is
 what P4a could read with our Python at zero.
 
-Interleaved rounds against the Redis at 127.0.0.1:6379 (db 14).
+Between the two, a third side: our own lock functions called by hand (``FCALL``, the
+same keys and arguments, no ``LeaseLock``), so "ours / our functions" is what our
+Python costs and "our functions / the smallest scripts" what our Lua costs Redis.
+
+Against the Redis at 127.0.0.1:6379 (db 14). Each round runs every side in chunks of
+CHUNK operations, taking turns (the order reversed every other chunk), so a machine
+that slows down or speeds up within a round weighs on every side alike.
 
     .venv/bin/python bench/p4_locks.py [--ops 3000] [--rounds 5]
 """
@@ -22,25 +28,38 @@ Interleaved rounds against the Redis at 127.0.0.1:6379 (db 14).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 
 from bench.common import per_round
-from celery_explicit.locks import LeaseLock
+from celery_explicit.locks import ACQUIRE, EXTEND, RELEASE, LeaseLock
+from celery_explicit.redis_scripts import library
+
+CHUNK = 100
 
 
-def rate(fn, n: int) -> float:  # type: ignore[no-untyped-def]
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return n / (time.perf_counter() - start)
+def rates(sides: dict[str, Callable[[], Any]], ops: int) -> dict[str, float]:
+    """Operations a second of each side, run in turns of CHUNK operations."""
+    spent = dict.fromkeys(sides, 0.0)
+    order = list(sides.items())
+    for _ in range(max(1, ops // CHUNK)):
+        for name, fn in order:
+            start = time.perf_counter()
+            for _ in range(CHUNK):
+                fn()
+            spent[name] += time.perf_counter() - start
+        order.reverse()
+    return {name: max(1, ops // CHUNK) * CHUNK / spent[name] for name in sides}
 
 
 def main() -> None:
@@ -85,6 +104,22 @@ def main() -> None:
         assert client.execute_command("EVALSHA", extend_sha, 1, script_key, "token", 30000)
         assert client.execute_command("EVALSHA", release_sha, 1, script_key, "token")
 
+    # Our own three functions, by hand: what LeaseLock sends, none of its Python.
+    ours_acquire, ours_extend, ours_release = (
+        library().function_names[script.name] for script in (ACQUIRE, EXTEND, RELEASE)
+    )
+    by_hand_key, by_hand_fence = f"{prefix}lock:{{by-hand}}", f"{prefix}fence:{{by-hand}}"
+    owner = ours.owner
+
+    def our_functions() -> None:
+        token = os.urandom(16).hex()  # as LeaseLock draws it
+        assert client.execute_command(
+            "FCALL", ours_acquire, 2, by_hand_key, by_hand_fence,
+            token, 30000, int(time.time() * 1000), owner,
+        )  # fmt: skip
+        assert client.execute_command("FCALL", ours_extend, 1, by_hand_key, token, 30000)
+        assert client.execute_command("FCALL", ours_release, 1, by_hand_key, token)
+
     def ours_pair() -> None:
         ours.acquire()
         ours.release()
@@ -93,24 +128,23 @@ def main() -> None:
         theirs.acquire()
         theirs.release()
 
-    for fn in (ours_full, raw_three, scripts_three, ours_pair, theirs_pair):
-        rate(fn, 300)  # warm-up: scripts loaded, connections open
-    results: dict[str, list[float]] = {
-        k: [] for k in ("ours_full", "raw_three", "scripts_three", "ours_pair", "theirs_pair")
+    full_sides = {
+        "ours_full": ours_full,
+        "our_functions": our_functions,
+        "scripts_three": scripts_three,
+        "raw_three": raw_three,
     }
+    pair_sides = {"ours_pair": ours_pair, "theirs_pair": theirs_pair}
+    rates({**full_sides, **pair_sides}, 300)  # warm-up: library loaded, connections open
+    results: dict[str, list[float]] = {k: [] for k in {**full_sides, **pair_sides}}
     for _ in range(args.rounds):
-        for name, fn in (
-            ("ours_full", ours_full),
-            ("raw_three", raw_three),
-            ("scripts_three", scripts_three),
-            ("ours_pair", ours_pair),
-            ("theirs_pair", theirs_pair),
-        ):
-            results[name].append(rate(fn, args.ops))
-    for name, rates in results.items():
+        for sides in (full_sides, pair_sides):
+            for name, value in rates(sides, args.ops).items():
+                results[name].append(value)
+    for name, values in results.items():
         print(
-            f"{name:<13} median {statistics.median(rates):9.1f}/s  "
-            f"min {min(rates):9.1f}/s  max {max(rates):9.1f}/s"
+            f"{name:<13} median {statistics.median(values):9.1f}/s  "
+            f"min {min(values):9.1f}/s  max {max(values):9.1f}/s"
         )
     full = [o / r for o, r in zip(results["ours_full"], results["raw_three"], strict=True)]
     ceiling = [c / r for c, r in zip(results["scripts_three"], results["raw_three"], strict=True)]
@@ -128,6 +162,16 @@ def main() -> None:
         o / c for o, c in zip(results["ours_full"], results["scripts_three"], strict=True)
     ]
     print(f"  ours / those scripts: median {statistics.median(over_scripts):.3f}")
+    python = [o / f for o, f in zip(results["ours_full"], results["our_functions"], strict=True)]
+    lua = [f / c for f, c in zip(results["our_functions"], results["scripts_three"], strict=True)]
+    print(
+        f"  ours / our functions by hand (our Python): median {statistics.median(python):.3f} "
+        f"(rounds {per_round(python)})"
+    )
+    print(
+        f"  our functions by hand / those scripts (our Lua): median "
+        f"{statistics.median(lua):.3f} (rounds {per_round(lua)})"
+    )
     print(
         f"P4b acquire+release / redis-py Lock: median {statistics.median(pair):.3f} (target >= 1.0)"
     )

@@ -110,8 +110,11 @@ def tagged(value: str) -> str:
 
 def call(conn: Any, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
     """Run ``script`` atomically on the server; its reply."""
-    lib = library()
-    if _uses_functions(conn, lib):
+    # Every lease, lock, dedup and ordering step comes through here, a few times a job:
+    # the built library is read without taking the registry's lock (a script registered
+    # meanwhile only resets it to None), and a client seen before costs one look-up.
+    lib = _library or library()
+    if _clients.get(conn) == lib.name or _uses_functions(conn, lib):
         command = ("FCALL", lib.function_names[script.name], len(keys), *keys, *args)
         try:
             return conn.execute_command(*command)
