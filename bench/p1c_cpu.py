@@ -18,8 +18,12 @@ Target (issue 13): explicit minus plain <= 500 µs per job.
 
 This process stands for a prefork pool child: it sends ``worker_process_init`` as
 billiard's child does, so our Redis client keeps its one connection there
-(``celery_explicit.redis_state``). ``EXPLICIT_BENCH_POOL_CHILD=0`` leaves it out (the
-pooled client everywhere: the A/B of docs/performance.md).
+(``celery_explicit.redis_state``); ``EXPLICIT_BENCH_POOL_CHILD=0`` leaves it out (the
+pooled client everywhere: the A/B of docs/performance.md). It also runs Celery's
+``setup_worker_optimizations``, as the worker's main process does before it forks (its
+children inherit it): with it, ``Task.__call__`` inside a traced job calls ``run()``
+without pushing a second request. An ExplicitTask's handler goes through that call,
+so without it this process would count a push and a pop no worker makes.
 """
 
 from __future__ import annotations
@@ -46,9 +50,11 @@ def main() -> None:
     setup_django()
 
     from celery import signals
+    from celery.app import trace
 
     from bench.benchapp.tasks import ExplicitUpdate, floor_update, plain_update
 
+    trace.setup_worker_optimizations(plain_update.app, "bench@p1c")
     if os.environ.get("EXPLICIT_BENCH_POOL_CHILD", "1") != "0":
         signals.worker_process_init.send(sender=None)
     reset_rows()
