@@ -69,8 +69,14 @@ def record_attempt(fields: Mapping[str, Any], *, replace: bool = False) -> None:
         logger.exception("could not record attempt", extra={"attempt_row": fields})
 
 
+#: What every backend takes as it is: most of a row, passed without a call per column.
+_AS_IS = frozenset({str, int, float, bool, type(None)})
+
+
 def _params(connection: Any, fields: Mapping[str, Any]) -> list[Any]:
-    return [_adapt(connection, value) for value in fields.values()]
+    return [
+        value if type(value) in _AS_IS else _adapt(connection, value) for value in fields.values()
+    ]
 
 
 def _locator(connection: Any, fields: Mapping[str, Any]) -> list[Any]:

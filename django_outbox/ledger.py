@@ -197,7 +197,7 @@ class _RoundTrips:
         self._escape = trips.literal_escaper()
 
     def _mogrify(self, sql: str, params: Sequence[Any]) -> str:
-        """psycopg's client-side binding: for the values ``_literal`` leaves to it (a
+        """psycopg's client-side binding: for the values ``_literals`` leaves to it (a
         cursor made on demand: most jobs never need one)."""
         import psycopg
 
@@ -239,41 +239,50 @@ class _RoundTrips:
         bench/p1c_cpu.py); it still writes any other value, and text holding a NUL
         byte (libpq's escape would stop at it; psycopg refuses it, as it should).
         """
-        literals = [_literal(value, self._escape) for value in params]
-        if _UNQUOTED in literals:
+        literals = _literals(params, self._escape)
+        if literals is None:
             return self._mogrify(sql, params)
         # Our statements hold no '%' but their placeholders ('%%' would stay '%').
-        return sql % tuple(literals)
+        return sql % literals
 
 
 #: Text written between single quotes as it is.
 _PLAIN = re.compile(r"[A-Za-z0-9 _.:@/+=,;()\[\]{}<>|#*!?~^&$-]*").fullmatch
-#: ``_literal``'s answer for a value it leaves to psycopg.
-_UNQUOTED = "\x00unquoted"
 
 
-def _literal(value: Any, escape: Callable[[bytes], bytes]) -> str:
-    """``value`` as a SQL literal, or ``_UNQUOTED`` for psycopg to write."""
-    kind = type(value)
-    if kind is str:
-        if _PLAIN(value):
-            # Nothing in it a literal must escape (no quote, no backslash, nothing
-            # outside printable ASCII): most keys, task names and ids.
-            return f"'{value}'"
-        if "\x00" in value:
-            return _UNQUOTED
-        return escape(value.encode()).decode()
-    if value is None:
-        return "NULL"
-    if kind is bool:
-        return "true" if value else "false"
-    if kind is int:
-        return str(value)
-    if kind is float and math.isfinite(value):
-        return repr(value)
-    if kind is dt.datetime and value.tzinfo is not None:
-        return f"'{value.isoformat()}'::timestamptz"
-    return _UNQUOTED
+def _literals(values: Sequence[Any], escape: Callable[[bytes], bytes]) -> tuple[str, ...] | None:
+    """Each of ``values`` as a SQL literal; None when one of them is left to psycopg.
+
+    One loop, no function call per value: a job quotes about 26 (the claim, the
+    attempt row, the fence check). An attempt row's 20 took 16.6 µs with a call each,
+    10.9 µs in one loop (best of seven timings, on a slow day of the 2-core machine).
+    """
+    written: list[str] = []
+    append = written.append
+    for value in values:
+        kind = type(value)
+        if kind is str:
+            if _PLAIN(value):
+                # Nothing in it a literal must escape (no quote, no backslash, nothing
+                # outside printable ASCII): most keys, task names and ids.
+                append(f"'{value}'")
+            elif "\x00" in value:
+                return None
+            else:
+                append(escape(value.encode()).decode())
+        elif value is None:
+            append("NULL")
+        elif kind is bool:
+            append("true" if value else "false")
+        elif kind is int:
+            append(str(value))
+        elif kind is float and math.isfinite(value):
+            append(repr(value))
+        elif kind is dt.datetime and value.tzinfo is not None:
+            append(f"'{value.isoformat()}'::timestamptz")
+        else:
+            return None
+    return tuple(written)
 
 
 def _round_trips(connection: Any) -> _RoundTrips | None:

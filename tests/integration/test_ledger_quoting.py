@@ -42,7 +42,7 @@ def read_back(sql: str) -> object:
 @given(value=TEXT)
 def test_text_reads_back_as_itself(value: str) -> None:
     quoter = round_trips()
-    assert ledger._literal(value, quoter._escape) != ledger._UNQUOTED
+    assert ledger._literals([value], quoter._escape) is not None
     assert read_back(quoter._quote("SELECT %s::text", [value])) == value
 
 
@@ -88,7 +88,7 @@ def test_hostile_text_is_one_literal(value: str) -> None:
 )
 def test_other_values_read_back_as_themselves(value: object, cast: str) -> None:
     quoter = round_trips()
-    assert ledger._literal(value, quoter._escape) != ledger._UNQUOTED
+    assert ledger._literals([value], quoter._escape) is not None
     assert read_back(quoter._quote(f"SELECT %s::{cast}", [value])) == value
 
 
@@ -100,9 +100,9 @@ def test_what_it_does_not_write_goes_to_psycopg(value: object) -> None:
     if value == 10**30:
         # An int too large for bigint is still an int: written as digits, refused by
         # the server's cast as it would be through psycopg.
-        assert ledger._literal(value, quoter._escape) == str(value)
+        assert ledger._literals([value], quoter._escape) == (str(value),)
         return
-    assert ledger._literal(value, quoter._escape) == ledger._UNQUOTED
+    assert ledger._literals([value], quoter._escape) is None
     if value == "a\x00b":
         with pytest.raises(psycopg.DataError, match="NUL"), transaction.atomic():
             quoter._quote("SELECT %s::text", [value])
