@@ -150,6 +150,14 @@ def per_round(ratios: list[float]) -> str:
     return ", ".join(f"{x:.3f}" for x in ratios)
 
 
+def ratio_line(label: str, ratios: list[float], note: str = "") -> str:
+    """``label per round: 0.912, 0.887, 0.941  -> median 0.912 (note)``, the rounds in
+    the order they ran."""
+    return f"{label} per round: {per_round(ratios)}  -> median {statistics.median(ratios):.3f}" + (
+        f" ({note})" if note else ""
+    )
+
+
 def summary(name: str, rates: list[float]) -> str:
     return (
         f"{name:<34} median {statistics.median(rates):9.1f}/s   "

@@ -33,7 +33,7 @@ os.environ.setdefault("EXPLICIT_BENCH_BROKER_URL", "redis://127.0.0.1:6379/11")
 os.environ.setdefault("EXPLICIT_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 os.environ.setdefault("EXPLICIT_TEST_CACHE_URL", "redis://127.0.0.1:6379/10")
 
-from common import DB_NAME, ROOT, reset_rows, setup_django, summary
+from common import DB_NAME, ROOT, ratio_line, reset_rows, setup_django, summary
 
 
 def free_port() -> int:
@@ -173,7 +173,7 @@ def main() -> None:
     print(summary("endpoint on (files, scraped)", rates["on"]))
     costs = [(1 / on - 1 / off) * 1e6 for on, off in zip(rates["on"], rates["off"], strict=True)]
     ratios = [on / off for on, off in zip(rates["on"], rates["off"], strict=True)]
-    print(f"on / off per round: {', '.join(f'{r:.3f}' for r in ratios)}")
+    print(ratio_line("on / off", ratios))
     print(
         f"cost per job (1/on - 1/off) per round, us: {', '.join(f'{c:+.0f}' for c in costs)}"
         f"  -> median {statistics.median(costs):+.0f} us"

@@ -21,7 +21,7 @@ import statistics
 import time
 import uuid
 
-from common import ProcessCPU, reset_rows, setup_django, start_worker, summary
+from common import ProcessCPU, ratio_line, reset_rows, setup_django, start_worker, summary
 
 
 def main() -> None:
@@ -102,22 +102,13 @@ def main() -> None:
     print(summary("plain acks_late task", plain))
     print(summary("ExplicitTask (effect + attempt)", explicit))
     ratios = [e / p for e, p in zip(explicit, plain, strict=True)]
-    print(
-        f"P1 ratio per round: {', '.join(f'{r:.3f}' for r in ratios)}  -> median "
-        f"{sorted(ratios)[len(ratios) // 2]:.3f} (target >= 0.90)"
-    )
+    print(ratio_line("P1 ratio", ratios, "target >= 0.90"))
     if args.floor:
         print(summary("floor (the statements by hand)", floor))
         floors = [f / p for f, p in zip(floor, plain, strict=True)]
-        print(
-            f"floor / plain per round: {', '.join(f'{r:.3f}' for r in floors)}  -> "
-            f"median {sorted(floors)[len(floors) // 2]:.3f} (the best P1 could be)"
-        )
+        print(ratio_line("floor / plain", floors, "the best P1 could be"))
         over_floor = [e / f for e, f in zip(explicit, floor, strict=True)]
-        print(
-            f"P1a ExplicitTask / floor per round: {', '.join(f'{r:.3f}' for r in over_floor)}"
-            f"  -> median {sorted(over_floor)[len(over_floor) // 2]:.3f} (target >= 0.95)"
-        )
+        print(ratio_line("P1a ExplicitTask / floor", over_floor, "target >= 0.95"))
     if args.by_process:
         print("CPU µs a job by process, each the median of the rounds; 'all' is the median")
         print("of each round's sum. The servers count whole: this process's polling for the")

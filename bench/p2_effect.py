@@ -16,7 +16,7 @@ import argparse
 import time
 import uuid
 
-from common import reset_rows, setup_django, summary
+from common import ratio_line, reset_rows, setup_django, summary
 
 
 def main() -> None:
@@ -136,35 +136,24 @@ def main() -> None:
     print(summary("effect() first run", effect_rates))
     print(summary("effect() duplicate hit", dup_rates))
     print(summary("effect()'s statements by hand", hand_rates))
-    hand = sorted(e / h for e, h in zip(effect_rates, hand_rates, strict=True))
-    print(
-        f"P2a effect/by hand per round: {', '.join(f'{r:.3f}' for r in hand)}"
-        f"  -> median {hand[len(hand) // 2]:.3f} (target >= 0.97)"
-    )
+    hand = [e / h for e, h in zip(effect_rates, hand_rates, strict=True)]
+    print(ratio_line("P2a effect/by hand", hand, "target >= 0.97"))
     print(summary("get_or_create of a processed key", goc_rates))
-    goc = sorted(e / g for e, g in zip(effect_rates, goc_rates, strict=True))
-    print(
-        f"P2b effect/get_or_create per round: {', '.join(f'{r:.3f}' for r in goc)}"
-        f"  -> median {goc[len(goc) // 2]:.3f} (target >= 2.0)"
-    )
+    goc = [e / g for e, g in zip(effect_rates, goc_rates, strict=True)]
+    print(ratio_line("P2b effect/get_or_create", goc, "target >= 2.0"))
     print(summary("effect()'s statements, raw", raw_rates))
-    ceiling = sorted(r / g for r, g in zip(raw_rates, goc_rates, strict=True))
+    ceiling = [r / g for r, g in zip(raw_rates, goc_rates, strict=True)]
     print(
-        f"P2b's ceiling, the same statements raw / get_or_create per round: "
-        f"{', '.join(f'{r:.3f}' for r in ceiling)}  -> median {ceiling[len(ceiling) // 2]:.3f}"
-        " (what effect() would read with none of our Python)"
+        ratio_line(
+            "P2b's ceiling, the same statements raw / get_or_create",
+            ceiling,
+            "what effect() would read with none of our Python",
+        )
     )
-    ratios = sorted(e / b for e, b in zip(effect_rates, bare_rates, strict=True))
-    dup_cost = sorted(e / d for e, d in zip(effect_rates, dup_rates, strict=True))
-    print(
-        f"P2 ratio effect/atomic per round: {', '.join(f'{r:.3f}' for r in ratios)}"
-        f"  -> median {ratios[len(ratios) // 2]:.3f} (target >= 0.93)"
-    )
-    print(
-        f"duplicate-hit cost / first-run cost per round: "
-        f"{', '.join(f'{r:.3f}' for r in dup_cost)}"
-        f"  -> median {dup_cost[len(dup_cost) // 2]:.3f} (P2c target <= 0.40)"
-    )
+    ratios = [e / b for e, b in zip(effect_rates, bare_rates, strict=True)]
+    dup_cost = [e / d for e, d in zip(effect_rates, dup_rates, strict=True)]
+    print(ratio_line("P2 ratio effect/atomic", ratios, "target >= 0.93"))
+    print(ratio_line("duplicate-hit cost / first-run cost", dup_cost, "P2c target <= 0.40"))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,12 @@ read a hit.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from common import setup_django, summary
+from common import ratio_line, setup_django, summary
 
 ENTITIES = 100
 
@@ -137,16 +136,12 @@ return {version, redis.call('get', ARGV[1] .. version)}
         print(f"{summary(name, rates)}   round trips/read {trips[name]:.2f}")
     plain_rates = results["plain cache.get (1 GET)"]
     for name, target in (
-        ((names := list(sides))[0], " (target >= 0.9)"),
+        ((names := list(sides))[0], "target >= 0.9"),
         (names[2], ""),
         (names[3], ""),
     ):
-        ratios = sorted(o / p for o, p in zip(results[name], plain_rates, strict=True))
-        print(
-            f"P5 {name} / plain cache.get per round: "
-            f"{', '.join(f'{r:.3f}' for r in ratios)}  -> median "
-            f"{statistics.median(ratios):.3f}{target}"
-        )
+        ratios = [o / p for o, p in zip(results[name], plain_rates, strict=True)]
+        print(ratio_line(f"P5 {name} / plain cache.get", ratios, target))
     keys = [
         key
         for kind in ("profile", "plain", "keyed")

@@ -35,7 +35,7 @@ from typing import Any
 # A database of its own: other benchmarks reset the shared one's rows while they run.
 os.environ.setdefault("EXPLICIT_BENCH_DB", "explicit_bench_peers")
 
-from common import reset_rows, setup_django, start_worker, summary
+from common import per_round, ratio_line, reset_rows, setup_django, start_worker, summary
 
 
 def median(values: list[float]) -> float:
@@ -248,21 +248,17 @@ def main() -> None:
         print(f"\n3. throughput through the worker, {args.tasks} jobs x {args.trounds}")
         explicit = rates[names[1]]
         for name in [*names, floor_name]:
-            ratios = sorted(r / e for r, e in zip(rates[name], explicit, strict=True))
+            ratios = [r / e for r, e in zip(rates[name], explicit, strict=True)]
             print(
-                f"{summary(name, rates[name])}   / ExplicitTask: "
-                f"{', '.join(f'{x:.3f}' for x in ratios)} -> median {median(ratios):.3f}"
+                f"{summary(name, rates[name])}   / ExplicitTask: {per_round(ratios)} "
+                f"-> median {median(ratios):.3f}"
             )
         guard = rates[handrolled_name]
         for label, side, note in (
             ("P1b ExplicitTask / hand-rolled", explicit, "target >= 1.25"),
             ("P1b's ceiling, the floor / hand-rolled", rates[floor_name], "none of our Python"),
         ):
-            ratios = sorted(s / g for s, g in zip(side, guard, strict=True))
-            print(
-                f"{label} per round: {', '.join(f'{x:.3f}' for x in ratios)} "
-                f"-> median {median(ratios):.3f} ({note})"
-            )
+            print(ratio_line(label, [s / g for s, g in zip(side, guard, strict=True)], note))
 
 
 if __name__ == "__main__":
