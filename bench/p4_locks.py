@@ -104,7 +104,8 @@ def main() -> None:
         assert client.execute_command("EVALSHA", extend_sha, 1, script_key, "token", 30000)
         assert client.execute_command("EVALSHA", release_sha, 1, script_key, "token")
 
-    # Our own three functions, by hand: what LeaseLock sends, none of its Python.
+    # Our own three functions, by hand: what LeaseLock sends, none of its Python. Redis 7
+    # functions only (LeaseLock itself falls back to EVALSHA on Redis 6; this side does not).
     ours_acquire, ours_extend, ours_release = (
         library().function_names[script.name] for script in (ACQUIRE, EXTEND, RELEASE)
     )
