@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 
-from bench.common import per_round
+from bench.common import ratio_line
 from celery_explicit.locks import ACQUIRE, EXTEND, RELEASE, LeaseLock
 from celery_explicit.redis_scripts import library
 
@@ -52,14 +52,15 @@ def rates(sides: dict[str, Callable[[], Any]], ops: int) -> dict[str, float]:
     """Operations a second of each side, run in turns of CHUNK operations."""
     spent = dict.fromkeys(sides, 0.0)
     order = list(sides.items())
-    for _ in range(max(1, ops // CHUNK)):
+    chunks = max(1, ops // CHUNK)
+    for _ in range(chunks):
         for name, fn in order:
             start = time.perf_counter()
             for _ in range(CHUNK):
                 fn()
             spent[name] += time.perf_counter() - start
         order.reverse()
-    return {name: max(1, ops // CHUNK) * CHUNK / spent[name] for name in sides}
+    return {name: chunks * CHUNK / spent[name] for name in sides}
 
 
 def main() -> None:
@@ -150,29 +151,19 @@ def main() -> None:
     full = [o / r for o, r in zip(results["ours_full"], results["raw_three"], strict=True)]
     ceiling = [c / r for c, r in zip(results["scripts_three"], results["raw_three"], strict=True)]
     pair = [o / t for o, t in zip(results["ours_pair"], results["theirs_pair"], strict=True)]
-    print(
-        f"P4a acquire+extend+release / 3 raw round trips: median "
-        f"{statistics.median(full):.3f} (target >= 0.9) "
-        f"(rounds {per_round(full)})"
-    )
-    print(
-        f"P4a's ceiling, the three smallest scripts of a fenced lock / 3 raw round trips: "
-        f"median {statistics.median(ceiling):.3f} (rounds {per_round(ceiling)})"
-    )
     over_scripts = [
         o / c for o, c in zip(results["ours_full"], results["scripts_three"], strict=True)
     ]
-    print(f"  ours / those scripts: median {statistics.median(over_scripts):.3f}")
     python = [o / f for o, f in zip(results["ours_full"], results["our_functions"], strict=True)]
     lua = [f / c for f, c in zip(results["our_functions"], results["scripts_three"], strict=True)]
-    print(
-        f"  ours / our functions by hand (our Python): median {statistics.median(python):.3f} "
-        f"(rounds {per_round(python)})"
-    )
-    print(
-        f"  our functions by hand / those scripts (our Lua): median "
-        f"{statistics.median(lua):.3f} (rounds {per_round(lua)})"
-    )
+    for label, ratios, note in (
+        ("P4a acquire+extend+release / 3 raw round trips", full, "target >= 0.9"),
+        ("P4a's ceiling, the three smallest scripts of a fenced lock / 3 raw", ceiling, ""),
+        ("  ours / those scripts", over_scripts, ""),
+        ("  ours / our functions by hand", python, "our Python"),
+        ("  our functions by hand / those scripts", lua, "our Lua"),
+    ):
+        print(ratio_line(label, ratios, note))
     print(
         f"P4b acquire+release / redis-py Lock: median {statistics.median(pair):.3f} (target >= 1.0)"
     )
