@@ -114,10 +114,10 @@ def main() -> None:
     owner = ours.owner
 
     def our_functions() -> None:
-        token = os.urandom(16).hex()  # as LeaseLock draws it
+        token = os.urandom(16).hex()  # as LeaseLock draws it and writes its value
         assert client.execute_command(
             "FCALL", ours_acquire, 2, by_hand_key, by_hand_fence,
-            token, 30000, int(time.time() * 1000), owner,
+            f"{token}|0|{int(time.time() * 1000)}|{owner}", 30000,
         )  # fmt: skip
         assert client.execute_command("FCALL", ours_extend, 1, by_hand_key, token, 30000)
         assert client.execute_command("FCALL", ours_release, 1, by_hand_key, token)

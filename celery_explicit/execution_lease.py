@@ -281,7 +281,7 @@ def live_executions(client: Any, *, prefix: str | None = None) -> list[LiveExecu
     now_ms = _now_ms()
     found = []
     head = f"{prefix or redis_state.prefix()}run:"
-    for task_id, value, ttl_ms in redis_state.live_strings(client, head):
+    for task_id, value, ttl_ms, _ in redis_state.live_strings(client, head):
         fence, holder = _parse(value)
         acquired_ms = int(value.rsplit("|", 1)[1])
         found.append(

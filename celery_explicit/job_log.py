@@ -33,6 +33,12 @@ def update(**fields: Any) -> None:
         job.update(fields)
 
 
+def in_job() -> bool:
+    """Whether a job is running in this context: a caller can skip building fields
+    that ``update`` would drop."""
+    return _job.get() is not None
+
+
 def reset(token: Token[dict[str, Any] | None]) -> None:
     _job.reset(token)
 

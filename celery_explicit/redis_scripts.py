@@ -78,9 +78,35 @@ class Library:
 _lock = threading.Lock()
 _registry: dict[str, Script] = {}
 _library: Library | None = None
-# Per client, weakly (a caller's client must not be kept alive by us): the name of the
-# library loaded there, or False where scripts stand in for functions.
-_clients: weakref.WeakKeyDictionary[Any, str | bool] = weakref.WeakKeyDictionary()
+# Per client, by id and weakly (a caller's client must not be kept alive by us): a
+# reference to it and the name of the library loaded there, or False where scripts
+# stand in for functions. Keyed by id, not a WeakKeyDictionary: its look-up (a Python
+# call and a new reference) cost a tenth of a lock's acquire-extend-release in our
+# Python (bench P4).
+_clients: dict[int, tuple[weakref.ref[Any], str | bool]] = {}
+
+
+def _loaded(conn: Any) -> str | bool | None:
+    """What was loaded through ``conn``: a library's name, False, or None (not seen)."""
+    seen = _clients.get(id(conn))
+    if seen is None or seen[0]() is not conn:  # another client's old id
+        return None
+    return seen[1]
+
+
+def _remember(conn: Any, loaded: str | bool) -> None:
+    key = id(conn)
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        # No lock: a callback can run while this thread holds it (a collection inside
+        # library()). Racing a new client given the same id, this may drop its entry:
+        # that client is then only probed again.
+        seen = _clients.get(key)
+        if seen is not None and seen[0]() is None:
+            _clients.pop(key, None)
+
+    with _lock:
+        _clients[key] = (weakref.ref(conn, forget), loaded)
 
 
 def library() -> Library:
@@ -114,7 +140,10 @@ def call(conn: Any, script: Script, keys: Sequence[Any], args: Sequence[Any]) ->
     # the built library is read without taking the registry's lock (a script registered
     # meanwhile only resets it to None), and a client seen before costs one look-up.
     lib = _library or library()
-    if _clients.get(conn) == lib.name or _uses_functions(conn, lib):
+    seen = _clients.get(id(conn))
+    if (seen is not None and seen[1] == lib.name and seen[0]() is conn) or _uses_functions(
+        conn, lib
+    ):
         command = ("FCALL", lib.function_names[script.name], len(keys), *keys, *args)
         try:
             return conn.execute_command(*command)
@@ -168,7 +197,7 @@ def call_many(conn: Any, calls: Sequence[tuple[Script, Sequence[Any], Sequence[A
 
 
 def _uses_functions(conn: Any, lib: Library) -> bool:
-    loaded = _clients.get(conn)
+    loaded = _loaded(conn)
     if loaded is False:
         return False
     if loaded != lib.name:
@@ -193,6 +222,5 @@ def _load(conn: Any, lib: Library) -> bool:
             raise
         logger.info("Redis functions unavailable (%s): our Lua runs as scripts", exc)
         loaded = False
-    with _lock:
-        _clients[conn] = loaded
+    _remember(conn, loaded)
     return loaded is not False

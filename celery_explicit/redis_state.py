@@ -108,16 +108,25 @@ def untag(name: str) -> str:
     return name[1:-1] if name.startswith("{") and name.endswith("}") else name
 
 
-def live_strings(client: Any, head: str) -> Iterator[tuple[str, str, int]]:
-    """(name after ``head``, value, milliseconds left) of each string key under ``head``
-    that still has a TTL: SCAN, not KEYS; keys released between SCAN and the read are
-    skipped. What ``manage.py explicit_locks`` and ``explicit_leases`` list."""
+def live_strings(
+    client: Any, head: str, *, also: str | None = None
+) -> Iterator[tuple[str, str, int, str | None]]:
+    """(name after ``head``, value, milliseconds left, the string at ``also`` + the
+    same name or None) of each string key under ``head`` that still has a TTL: SCAN,
+    not KEYS; keys released between SCAN and the read are skipped. The reads of one key
+    are one MULTI, so ``also`` is read as it was beside that value (a lock's fence
+    counter, which shares its hash tag). What ``manage.py explicit_locks`` and
+    ``explicit_leases`` list."""
     for raw_key in client.scan_iter(match=f"{head}*", count=500, _type="STRING"):
         key = text(raw_key)
-        pipe = client.pipeline(transaction=False)
+        name = key[len(head) :]
+        pipe = client.pipeline(transaction=True)
         pipe.get(key)
         pipe.pttl(key)
-        value, ttl_ms = pipe.execute()
+        if also is not None:
+            pipe.get(f"{also}{name}")
+        value, ttl_ms, *extra = pipe.execute()
         if value is None or int(ttl_ms) < 0:
             continue
-        yield untag(key[len(head) :]), text(value), int(ttl_ms)
+        companion = extra[0] if extra else None
+        yield untag(name), text(value), int(ttl_ms), None if companion is None else text(companion)

@@ -9,7 +9,7 @@ import pytest
 import redis
 from django.core.management import call_command
 
-from celery_explicit import metrics
+from celery_explicit import job_log, metrics
 from celery_explicit.errors import LockConfigError, LockNotAcquired, LockNotOwned
 from celery_explicit.locks import LeaseLock, live_locks
 
@@ -117,6 +117,52 @@ def test_bounded_wait_gets_the_lock_when_released_and_records_the_wait(
 def test_bad_ttl_is_refused_naming_the_lock(redis_client, ttl) -> None:
     with pytest.raises(LockConfigError, match="Lock rebuild:user:9: ttl must be"):
         LeaseLock(redis_client, "rebuild:user:9", ttl=ttl)
+
+
+def test_live_locks_show_each_holders_fence_also_in_values_earlier_versions_wrote(
+    redis_client, prefix
+) -> None:
+    a = lock(redis_client, prefix, "rebuild:user:1")
+    fence = a.acquire()
+    # This version leaves the fence out of the value (it is the counter's while the lock
+    # exists) and writes 0 where an older explicit_locks reads it as a number.
+    token, written, acquired_ms, owner = redis_client.get(a.key).decode().split("|", 3)
+    assert (token, written, owner) == (a.token, "0", a.owner) and int(acquired_ms) > 0
+    # A lock an earlier version holds during a rolling deploy: its fence is in the value.
+    redis_client.set(
+        f"{prefix}lock:{{invoice:7}}", f"{'b' * 32}|12345|{int(time.time() * 1000)}|old:1", px=5000
+    )
+    live = {x.name: x for x in live_locks(redis_client, prefix=prefix)}
+    assert (live["rebuild:user:1"].fence, live["rebuild:user:1"].owner) == (fence, a.owner)
+    assert (live["invoice:7"].fence, live["invoice:7"].owner) == (12345, "old:1")
+    a.release()
+    b = lock(redis_client, prefix, "rebuild:user:1")
+    assert b.acquire() == fence + 1
+    assert live_locks(redis_client, prefix=prefix)[1].fence == fence + 1
+    b.release()
+
+
+def test_a_lock_taken_in_a_job_adds_itself_to_the_jobs_log_fields(redis_client, prefix) -> None:
+    outside = lock(redis_client, prefix, "invoice:1")
+    outside.acquire()
+    assert job_log.current() == {}  # no job: nothing kept
+    outside.release()
+    bound = job_log.bind({"task": "shop.ship_order"})
+    try:
+        a = lock(redis_client, prefix)
+        fence = a.acquire()
+        fields, token = job_log.current(), a.token
+    finally:
+        job_log.reset(bound)
+    a.release()
+    assert fields["task"] == "shop.ship_order"
+    assert (fields["lock_key"], fields["owner_token"], fields["fencing_token"]) == (
+        "rebuild:user:123",
+        token,
+        fence,
+    )
+    waited = fields["lock_wait_ms"]
+    assert isinstance(waited, float) and 0 <= waited < 1000 and round(waited, 3) == waited
 
 
 @pytest.mark.django_db

@@ -174,3 +174,26 @@ def test_pipelined_scripts_without_functions_load_once_where_missing(
     assert delta("script|load") == (1, 0)
     assert delta("script|exists") == (0, 0)
     assert delta("fcall") == (0, 0)
+
+
+def test_what_was_loaded_is_kept_for_live_clients_only(private_redis) -> None:
+    import gc
+
+    def kept() -> int:
+        gc.collect()
+        return len(redis_scripts._clients)
+
+    before = kept()
+    clients = [redis.Redis(unix_socket_path=str(private_redis)) for _ in range(20)]
+    for client in clients:
+        assert redis_scripts.call(client, INCREMENT, ["explicit-test:kept"], [1])
+    assert kept() == before + 20
+    # Forgotten with their clients; a new client is probed and remembered.
+    for client in clients:
+        client.close()
+    del clients, client
+    assert kept() == before
+    fresh = redis.Redis(unix_socket_path=str(private_redis))
+    assert redis_scripts.call(fresh, INCREMENT, ["explicit-test:kept"], [1]) == 21
+    assert kept() == before + 1
+    fresh.flushall()
