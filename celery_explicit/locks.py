@@ -24,7 +24,9 @@ While the lock exists its holder's fence is the counter's value: only an acquisi
 that set the lock increments it. So the value does not carry the fence (building that
 string in Lua cost Redis a fifth of the acquisition); its second field, the fence in
 the values earlier versions wrote, is 0, and stays so that an older ``explicit_locks``
-still reads the value during a rolling deploy. ``live_locks`` reads both formats.
+still parses the value during a rolling deploy (it shows such a lock's fence as 0).
+``live_locks`` reads both formats; it shows 0 too for a lock whose counter was deleted
+(an eviction policy that evicts keys without a TTL) while it was held.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ logger = job_log.get_logger("celery_explicit.locks")
 # KEYS[2] - the fencing counter (never expires; started at the server clock in us)
 # ARGV[1] - the lock's value: "<token>|0|<acquired_ms>|<owner>"
 # ARGV[2] - ttl in milliseconds
-# return the new fencing token if acquired, otherwise false
+# return the new fencing token if acquired, otherwise false; the counter's error, with
+# the lock taken back, if it cannot be incremented
 ACQUIRE = Script(
     "lock_acquire",
     """
@@ -64,7 +67,12 @@ if redis.call('exists', KEYS[2]) == 0 then
     local now = redis.call('time')
     redis.call('set', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
 end
-return redis.call('incr', KEYS[2])
+local fence = redis.pcall('incr', KEYS[2])
+if type(fence) == 'table' and fence.err then
+    -- A counter that is not one (WRONGTYPE): no lock held by a token nobody has.
+    redis.call('del', KEYS[1])
+end
+return fence
 """,
 )
 

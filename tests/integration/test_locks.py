@@ -27,8 +27,9 @@ def test_acquire_release_and_exclusion(redis_client, prefix) -> None:
         b.acquire()
     a.release()
     assert b.acquire() == fence + 1
+    assert redis_client.exists(b.key)
     b.release()
-    assert not redis_client.exists(f"{prefix}lock:rebuild:user:123")
+    assert not redis_client.exists(b.key)
 
 
 def test_ttl_is_set_within_bounds_and_extend_pushes_it(redis_client, prefix) -> None:
@@ -140,6 +141,19 @@ def test_live_locks_show_each_holders_fence_also_in_values_earlier_versions_wrot
     assert b.acquire() == fence + 1
     assert live_locks(redis_client, prefix=prefix)[1].fence == fence + 1
     b.release()
+
+
+def test_an_acquisition_whose_fence_fails_leaves_no_lock_behind(redis_client, prefix) -> None:
+    a = lock(redis_client, prefix)
+    redis_client.hset(a.fence_key, "not", "a counter")  # a counter someone broke
+    with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+        a.acquire()
+    # The lock was set before the INCR failed: taken back, not held for its TTL by a
+    # token nobody has.
+    assert not redis_client.exists(a.key) and a.token is None
+    redis_client.delete(a.fence_key)
+    assert a.acquire() > 0
+    a.release()
 
 
 def test_a_lock_taken_in_a_job_adds_itself_to_the_jobs_log_fields(redis_client, prefix) -> None:

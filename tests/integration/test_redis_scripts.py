@@ -197,3 +197,18 @@ def test_what_was_loaded_is_kept_for_live_clients_only(private_redis) -> None:
     assert redis_scripts.call(fresh, INCREMENT, ["explicit-test:kept"], [1]) == 21
     assert kept() == before + 1
     fresh.flushall()
+
+
+def test_an_entry_left_by_another_client_at_the_same_id_is_not_trusted(redis_client) -> None:
+    import weakref
+
+    other = redis.Redis(unix_socket_path=redis_client.connection_pool.connection_kwargs["path"])
+    lib = redis_scripts.library()
+    # What a dead client's entry looks like to a new client given its id.
+    redis_scripts._clients[id(redis_client)] = (weakref.ref(other), lib.name)
+    redis_client.execute_command("FUNCTION", "FLUSH")
+    fcall = deltas(redis_client, ("fcall",))
+    assert redis_scripts.call(redis_client, INCREMENT, ["explicit-test:same-id"], [4]) == 4
+    # Probed and loaded first: no FCALL refused for a library that was not there.
+    assert fcall("fcall") == (1, 0)
+    other.close()
