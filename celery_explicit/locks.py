@@ -6,7 +6,9 @@ a TTL, only its owner (the random token it got at acquisition) can release or ex
 it, each of those is one atomic Lua step (a Redis function, or a script where functions are
 unavailable), and every acquisition gets a fencing token: a
 number that only grows, so a write can refuse a holder that lost its lock while paused
-(``django_outbox.fencing.fenced_update``).
+(``django_outbox.fencing.fenced_update``). An acquisition whose reply was lost, sent
+again by redis-py's retry, finds its own value and gets its fence back: it is not
+refused by the lock it set itself.
 
     lock = LeaseLock(redis_client, "rebuild:user:123", ttl=30.0)
     with lock.hold(wait=5.0) as fence:
@@ -61,6 +63,11 @@ ACQUIRE = Script(
     "lock_acquire",
     """
 if not redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    if redis.call('get', KEYS[1]) == ARGV[1] then
+        -- This very acquisition, sent again: its reply was lost and the client retried
+        -- (redis-py does on a dropped connection). It holds the lock: its fence.
+        return tonumber(redis.call('get', KEYS[2]))
+    end
     return false
 end
 if redis.call('exists', KEYS[2]) == 0 then
