@@ -125,8 +125,8 @@ def live_strings(
         pipe.pttl(key)
         if also is not None:
             pipe.get(f"{also}{name}")
-        value, ttl_ms, *extra = pipe.execute()
+        value, ttl_ms, *companion = pipe.execute()
         if value is None or int(ttl_ms) < 0:
             continue
-        companion = extra[0] if extra else None
-        yield untag(name), text(value), int(ttl_ms), None if companion is None else text(companion)
+        beside = text(companion[0]) if companion and companion[0] is not None else None
+        yield untag(name), text(value), int(ttl_ms), beside

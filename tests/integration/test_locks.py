@@ -139,7 +139,8 @@ def test_live_locks_show_each_holders_fence_also_in_values_earlier_versions_wrot
     a.release()
     b = lock(redis_client, prefix, "rebuild:user:1")
     assert b.acquire() == fence + 1
-    assert live_locks(redis_client, prefix=prefix)[1].fence == fence + 1
+    live = {x.name: x for x in live_locks(redis_client, prefix=prefix)}
+    assert live["rebuild:user:1"].fence == fence + 1
     b.release()
 
 
