@@ -94,6 +94,13 @@ class Settings:
     execution_lease: Setting[bool] = Setting(True, _flag, env=True)
     #: *environment* Off: message and execution leases are not extended (they run out).
     lease_extend: Setting[bool] = Setting(True, _flag, env=True)
+    #: *environment* Off: a worker in warm shutdown stops extending the leases of the
+    #: jobs it is still draining (Celery's own behaviour: they run out mid-job).
+    drain_heartbeat: Setting[bool] = Setting(True, _flag, env=True)
+    #: *environment* Off (Redis broker): an ack removes the broker's record of a
+    #: delivery by its tag even when another worker holds that delivery now (kombu's
+    #: own behaviour: a stale copy's ack drops the live copy's record).
+    delivery_holder: Setting[bool] = Setting(True, _flag, env=True)
     #: A worker refuses to start while ``manage.py check`` reports one of our errors
     #: (``django_outbox.E*``: a contract, the broker's backstop, pickle). True: it
     #: starts anyway and logs them as warnings (an escape hatch, not a default).

@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MethodType
@@ -57,7 +59,7 @@ from celery import bootsteps
 from celery_explicit import execution_lease, job_log, metrics, ordering, redis_state
 from celery_explicit.conf import settings
 from celery_explicit.contract import Contract
-from celery_explicit.redis_scripts import Script, call_many
+from celery_explicit.redis_scripts import Script, call, call_many
 from celery_explicit.redis_state import text
 
 logger = job_log.get_logger("celery_explicit.lease")
@@ -71,21 +73,28 @@ FIRST_LEASE_INTERVAL = 0.1
 
 # KEYS[1] - kombu's unacked_index sorted set
 # KEYS[2] - the lease record (hash)
+# KEYS[3] - the delivery holders (hash: delivery tag -> the worker holding it)
 # ARGV[1] - delivery tag
 # ARGV[2] - new score: deadline - global visibility timeout (seconds, float)
 # ARGV[3] - lease length in milliseconds (the record's TTL)
 # ARGV[4] - owner (host:pid of the pool child, or of the worker before it starts)
 # ARGV[5] - deadline in milliseconds since the epoch
-# return 1 if the message is still unacknowledged and its lease was moved, otherwise 0
-# (the record is deleted only if it is this delivery's: a retry or a deferral of the
-# same job is a newer delivery with the same task id, and keeps its own)
+# ARGV[6] - this worker's holder id (``holder_id()``)
+# return 1 if the message is still unacknowledged, held by this worker, and its lease
+# was moved, otherwise 0 (the record is deleted only if it is this delivery's: a retry
+# or a deferral of the same job is a newer delivery with the same task id, and keeps
+# its own; a delivery another worker took over keeps its lease and its record)
 EXTEND = Script(
-    "message_lease_extend",
+    "message_lease_extend_held",
     """
 if not redis.call('zscore', KEYS[1], ARGV[1]) then
     if redis.call('hget', KEYS[2], 'tag') == ARGV[1] then
         redis.call('del', KEYS[2])
     end
+    return 0
+end
+local holder = redis.call('hget', KEYS[3], ARGV[1])
+if holder and holder ~= ARGV[6] then
     return 0
 end
 redis.call('zadd', KEYS[1], 'XX', ARGV[2], ARGV[1])
@@ -95,6 +104,57 @@ redis.call('pexpire', KEYS[2], ARGV[3])
 return 1
 """,
 )
+
+# KEYS[1] - kombu's unacked_index   KEYS[2] - kombu's unacked hash
+# KEYS[3] - the delivery holders
+# ARGV[1] - delivery tag            ARGV[2] - this worker's holder id
+# return 1 if the delivery's record was removed (this worker held it, or no holder
+# was recorded), 0 if another worker holds that delivery now (nothing touched)
+ACK = Script(
+    "message_ack_if_held",
+    """
+local holder = redis.call('hget', KEYS[3], ARGV[1])
+if holder and holder ~= ARGV[2] then
+    return 0
+end
+redis.call('zrem', KEYS[1], ARGV[1])
+redis.call('hdel', KEYS[2], ARGV[1])
+redis.call('hdel', KEYS[3], ARGV[1])
+return 1
+""",
+)
+
+# KEYS[1] - kombu's unacked_index   KEYS[2] - the delivery holders
+# ARGV[1] - delivery tag            ARGV[2] - this worker's holder id
+# return 1 if the message will be restored by the next sweep of any worker (its score
+# set to 0, below every sweep's ceiling), 0 if it is gone or another worker holds it
+GIVE_BACK = Script(
+    "message_give_back",
+    """
+local holder = redis.call('hget', KEYS[2], ARGV[1])
+if holder and holder ~= ARGV[2] then
+    return 0
+end
+return redis.call('zadd', KEYS[1], 'XX', 'CH', 0, ARGV[1])
+""",
+)
+
+_holder_id = ""
+
+
+def holder_id() -> str:
+    """This worker process's name in the delivery holders: host:pid and a random part
+    (a pid is reused; a restarted worker must not pass for the one before it)."""
+    global _holder_id
+    me = f"{socket.gethostname()}:{os.getpid()}:"
+    if not _holder_id.startswith(me):  # computed again in a forked process
+        _holder_id = me + uuid.uuid4().hex[:8]
+    return _holder_id
+
+
+def holders_key(unacked_key: str) -> str:
+    """The hash beside kombu's ``unacked`` naming which worker holds each delivery."""
+    return f"{unacked_key}_holder"
 
 
 def record_key(task_id: str, *, prefix: str | None = None) -> str:
@@ -142,7 +202,12 @@ def lease_on_delivery(qos: Any, leases: Mapping[str, float]) -> None:
     fails if kombu's own method comes to write anything else.
     """
     qos.explicit_leases = dict(leases)
+    qos.explicit_holder = holder_id()
     qos.append = MethodType(_append_with_lease, qos)
+    if settings.delivery_holder:
+        qos.ack = MethodType(_ack_if_held, qos)
+        qos.reject = MethodType(_reject_if_held, qos)
+        qos.restore_unacked = MethodType(_restore_unacked_if_held, qos)
 
 
 def _append_with_lease(qos: Any, message: Any, delivery_tag: str) -> None:
@@ -167,9 +232,94 @@ def _append_with_lease(qos: Any, message: Any, delivery_tag: str) -> None:
     with qos.pipe_or_acquire() as pipe:
         pipe.zadd(qos.unacked_index_key, {delivery_tag: score})
         pipe.hset(qos.unacked_key, delivery_tag, raw)
+        # Which worker holds this delivery now: a copy restored by a sweep keeps its
+        # tag, so the tag alone cannot tell the live copy from a stale one.
+        pipe.hset(holders_key(qos.unacked_key), delivery_tag, qos.explicit_holder)
         pipe.execute()
     # What kombu's method does next: the in-memory record of the delivery.
     super(kombu_redis.QoS, qos).append(message, delivery_tag)
+
+
+def _plain_client(qos: Any) -> Any:
+    """A plain redis-py client on the channel's pool (see ``LeaseKeeper._broker_client``):
+    kombu's own client would prefix only the first key of a script call."""
+    import redis
+
+    pool = qos.channel.pool
+    client = getattr(qos, "explicit_client", None)
+    if client is None or client.connection_pool is not pool:
+        client = qos.explicit_client = redis.Redis(connection_pool=pool)
+    return client
+
+
+def _broker_keys(qos: Any) -> tuple[str, str, str]:
+    """kombu's unacked_index and unacked, and our holders, as the server names them."""
+    head = str(getattr(qos.channel, "global_keyprefix", "") or "")
+    return (
+        head + str(qos.unacked_index_key),
+        head + str(qos.unacked_key),
+        head + holders_key(str(qos.unacked_key)),
+    )
+
+
+def _held_elsewhere(qos: Any, delivery_tag: str) -> bool:
+    """True when another worker holds ``delivery_tag`` now (this copy is stale)."""
+    holder = _plain_client(qos).hget(_broker_keys(qos)[2], delivery_tag)
+    return holder is not None and text(holder) != qos.explicit_holder
+
+
+def _ack_if_held(qos: Any, delivery_tag: str) -> None:
+    """``QoS.ack`` of a consumer with ``lease_on_delivery``: removes the broker's
+    record of the delivery only while this worker holds it.
+
+    kombu removes by tag (``ZREM unacked_index``, ``HDEL unacked``), and a message a
+    sweep restored keeps its tag. A stale copy (its process stopped past its lease,
+    the job taken over elsewhere) that is acked when it wakes up would remove the
+    record of the copy another worker is running: if that worker then died, nothing
+    would restore the job. One script, one round trip, as kombu's own pipeline.
+    """
+    from kombu.transport import redis as kombu_redis
+
+    index, unacked, holders = _broker_keys(qos)
+    removed = call(
+        _plain_client(qos), ACK, [index, unacked, holders], [delivery_tag, qos.explicit_holder]
+    )
+    if not removed:
+        metrics.stale_acks_withheld.labels("ack").inc()
+        logger.warning(
+            "ack of delivery %s left to the worker that holds it now (this copy is stale)",
+            delivery_tag,
+        )
+    super(kombu_redis.QoS, qos).ack(delivery_tag)
+
+
+def _reject_if_held(qos: Any, delivery_tag: str, requeue: bool = False) -> None:
+    """``QoS.reject``: a requeue puts the message back only while this worker holds
+    it (a stale copy's requeue would add a second copy and drop the live one's
+    record); a reject without requeue removes the record as ``_ack_if_held`` does."""
+    from kombu.transport import redis as kombu_redis
+
+    if not requeue:
+        _ack_if_held(qos, delivery_tag)
+        return
+    if _held_elsewhere(qos, delivery_tag):
+        metrics.stale_acks_withheld.labels("requeue").inc()
+        logger.warning("requeue of delivery %s left to the worker that holds it now", delivery_tag)
+    else:
+        qos.restore_by_tag(delivery_tag, leftmost=True)
+    super(kombu_redis.QoS, qos).ack(delivery_tag)
+
+
+def _restore_unacked_if_held(qos: Any, client: Any = None) -> None:
+    """``QoS.restore_unacked`` (the channel's close): each message this worker still
+    holds goes back to its queue; one another worker took over is left to it."""
+    with qos.channel.conn_or_acquire(client) as conn:
+        for tag in list(qos._delivered):
+            if _held_elsewhere(qos, tag):
+                metrics.stale_acks_withheld.labels("restore").inc()
+                continue
+            qos.restore_by_tag(tag, client=conn)
+    qos._delivered.clear()
 
 
 def contract_of(task: Any) -> Contract | None:
@@ -218,8 +368,11 @@ class LeaseKeeper(bootsteps.StartStopStep):
         self._leased: set[str] = set()
         self._gone: set[str] = set()
         self._client: Any = None
+        self._interval: float | None = None
+        self._drain_stop: threading.Event | None = None
 
     def start(self, parent: Any) -> None:
+        self._stop_drain()  # the consumer is back: its timer keeps the leases again
         leases = [
             contract.visibility_timeout
             for contract in map(contract_of, parent.app.tasks.values())
@@ -227,7 +380,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
         ]
         if not leases:
             return
-        interval = max(0.2, min(10.0, min(leases) * HEARTBEAT_FRACTION))
+        interval = self._interval = max(0.2, min(10.0, min(leases) * HEARTBEAT_FRACTION))
         if getattr(parent.connection.transport, "driver_type", "") == "redis":
             self._redis_broker = True
             lease_on_delivery(
@@ -248,6 +401,83 @@ class LeaseKeeper(bootsteps.StartStopStep):
             if tref is not None:
                 tref.cancel()
         self._tref = self._first_tref = None
+        self._start_drain(parent)
+
+    def _start_drain(self, parent: Any) -> None:
+        """Keep the leases of the jobs still running while the pool drains.
+
+        Celery stops the consumer's steps, and the timer that runs this step's
+        heartbeat, before its pool has finished the jobs it runs (a warm shutdown: the
+        Consumer step stops before the Pool step joins; a consumer restart after a lost
+        connection too). Without a heartbeat, a job longer than its lease would be
+        started a second time elsewhere during every deploy. A thread of the main
+        process takes over until the jobs end, the consumer starts again, or the
+        process exits; its own Redis connections, never the consumer's.
+        """
+        if self._interval is None or not settings.drain_heartbeat:
+            return
+        self._stop_drain()
+        stop = self._drain_stop = threading.Event()
+        broker = None
+        if self._redis_broker:
+            import redis
+
+            channel = parent.connection.default_channel
+            pool = channel.pool
+            broker = _DrainBroker(
+                client=redis.Redis(
+                    connection_pool=type(pool)(
+                        connection_class=pool.connection_class, **pool.connection_kwargs
+                    )
+                ),
+                backstop=float(channel.visibility_timeout),
+                index=unacked_index_key(channel),
+                holders=str(getattr(channel, "global_keyprefix", "") or "")
+                + holders_key(str(channel.unacked_key)),
+            )
+        thread = threading.Thread(
+            target=self._drain,
+            args=(stop, broker, self._interval),
+            name="celery_explicit-drain-heartbeat",
+            daemon=True,
+        )
+        thread.start()
+
+    def _stop_drain(self) -> None:
+        if self._drain_stop is not None:
+            self._drain_stop.set()
+            self._drain_stop = None
+
+    def _drain(self, stop: threading.Event, broker: _DrainBroker | None, interval: float) -> None:
+        """The drain's heartbeat (a thread): extend what runs, give back what never
+        started, until nothing runs or the consumer is back."""
+        import redis
+
+        given_back: set[str] = set()
+        while not stop.wait(interval):
+            held = _held_now()
+            running = [
+                r
+                for r in held
+                if contract_of(r.task) is not None and r.worker_pid and not r.acknowledged
+            ]
+            waiting = [
+                r
+                for r in held
+                if contract_of(r.task) is not None
+                and not r.worker_pid
+                and r.message.delivery_tag not in given_back
+            ]
+            if not running and not waiting:
+                return
+            self._extend_execution_leases(running)
+            if broker is None:
+                continue
+            try:
+                broker.extend(running, self._host)
+                given_back |= broker.give_back(waiting)
+            except redis.RedisError as exc:
+                logger.warning("drain: could not extend or give back leases: %s", exc)
 
     def tick(self, parent: Any) -> None:
         """The heartbeat: every held message's lease, and every execution lease."""
@@ -333,6 +563,10 @@ class LeaseKeeper(bootsteps.StartStopStep):
         now = time.time()
         extend = settings.lease_extend
         index = unacked_index_key(channel)
+        holders = str(getattr(channel, "global_keyprefix", "") or "") + holders_key(
+            str(channel.unacked_key)
+        )
+        me = holder_id()
         calls: list[tuple[Any, str, list[Any], list[Any]]] = []
         for request in held:
             task = request.task
@@ -354,13 +588,14 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 # Give it its own lease once; it runs out T from now.
             lease = contract.visibility_timeout
             deadline = now + lease
-            keys = [index, record_key(request.id)]
+            keys = [index, record_key(request.id), holders]
             args = [
                 tag,
                 deadline - backstop,
                 int(lease * 1000),
                 f"{self._host}:{pid or os.getpid()}",
                 int(deadline * 1000),
+                me,
             ]
             calls.append((task, tag, keys, args))
         if not calls:
@@ -372,6 +607,67 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 metrics.lease_extensions.labels(task.name).inc()
             else:
                 self._gone.add(tag)
+
+
+def _held_now() -> list[Any]:
+    """``held_requests()`` from a thread: the main process may change the sets while
+    they are copied (RuntimeError), so copy again."""
+    for _ in range(10):
+        try:
+            return held_requests()
+        except RuntimeError:
+            time.sleep(0.01)
+    return []
+
+
+@dataclass(frozen=True)
+class _DrainBroker:
+    """The drain's own view of the broker's Redis: a client on a pool of its own (the
+    consumer's may be closing), and the keys it writes."""
+
+    client: Any
+    backstop: float
+    index: str
+    holders: str
+
+    def extend(self, running: list[Any], host: str) -> None:
+        """Move the lease of each running job's message (one round trip)."""
+        now, me = time.time(), holder_id()
+        calls = []
+        for request in running:
+            lease = contract_of(request.task).visibility_timeout  # type: ignore[union-attr]
+            if child_is_stopped(request.worker_pid):
+                continue  # a stopped child's lease runs out, as in the heartbeat
+            keys = [self.index, record_key(request.id), self.holders]
+            args = [
+                request.message.delivery_tag,
+                now + lease - self.backstop,
+                int(lease * 1000),
+                f"{host}:{request.worker_pid}",
+                int((now + lease) * 1000),
+                me,
+            ]
+            calls.append((EXTEND, keys, args))
+        if calls:
+            call_many(self.client, calls)
+
+    def give_back(self, waiting: list[Any]) -> set[str]:
+        """Make each message no pool process started visible at once: the next sweep
+        of any worker puts it back in its queue (the pool of a worker in warm
+        shutdown never starts it). The tags handled."""
+        if not waiting:
+            return set()
+        me = holder_id()
+        tags = [request.message.delivery_tag for request in waiting]
+        calls = [(GIVE_BACK, [self.index, self.holders], [tag, me]) for tag in tags]
+        for request, moved in zip(waiting, call_many(self.client, calls), strict=True):
+            if moved:
+                metrics.drain_releases.labels(request.task.name).inc()
+                logger.info(
+                    "warm shutdown: gave back job %s, which no pool process had started",
+                    request.id,
+                )
+        return set(tags)
 
 
 @dataclass(frozen=True)

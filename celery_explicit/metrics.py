@@ -92,6 +92,18 @@ lease_extensions = Counter(
     "Times a held message's lease (per-task visibility timeout) was moved forward.",
     ["task"],
 )
+stale_acks_withheld = Counter(
+    "explicit_stale_acks_withheld_total",
+    "Acks, rejects and restores of a delivery another worker holds now (a stale copy "
+    "after a takeover), left without touching the broker's record of it (Redis).",
+    ["action"],
+)
+drain_releases = Counter(
+    "explicit_drain_released_total",
+    "Messages a worker in warm shutdown gave back at once because no pool process had "
+    "started them (Redis broker).",
+    ["task"],
+)
 lease_not_extended = Counter(
     "explicit_lease_not_extended_total",
     "Leases deliberately left to run out, by reason (a stopped pool child).",

@@ -1,0 +1,135 @@
+"""Fault tests: the everyday operations of a deploy keep the promise.
+
+A rolling deploy sends SIGTERM to a worker while it runs jobs. Celery's warm shutdown
+waits for them; the job keeps its leases until it ends, so no other worker starts it
+meanwhile. The negative control runs the same rounds with the drain's heartbeat off
+(``EXPLICIT_DRAIN_HEARTBEAT=0``): the job is started a second time on the other worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections import Counter as Tally
+
+import pytest
+
+from django_outbox.models import Attempt, Outcome
+from tests.support.waiting import wait_for
+from tests.testapp.models import Counter, Profile
+from tests.testapp.tasks import HoldsTheLine, ShipToAddress
+
+pytestmark = [
+    pytest.mark.worker,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.timeout(600),
+]
+
+ROUNDS = 3
+#: The job outlasts its lease (HoldsTheLine.visibility_timeout = 10 s) many times over.
+SECONDS = 14.0
+
+
+def sigterm_mid_job(start_worker, redis_client, broker_env: dict[str, str]) -> str:  # type: ignore[no-untyped-def]
+    """One round: worker A takes a long job and gets SIGTERM 2 s into it; worker B
+    serves the same queue. What happened: one start or two, and the effect."""
+    op = uuid.uuid4().hex[:8]
+    Counter.objects.create(name=op)
+    a = start_worker(concurrency=1, extra_env=broker_env)
+    b = start_worker(concurrency=1, extra_env=broker_env)
+    HoldsTheLine().apply_async(kwargs={"name": op, "op_id": op, "seconds": SECONDS}, queue=a.queue)
+    first = wait_for(lambda: redis_client.lindex(f"started:{op}", 0), timeout=20, what="a start")
+    runner = a if int(first) in a.child_pids() else b
+    other = b if runner is a else a
+    time.sleep(2)
+    runner.process.send_signal(signal.SIGTERM)
+    runner.process.wait(timeout=SECONDS + 30)
+    wait_for(
+        lambda: Attempt.objects.filter(
+            idempotency_key=f"line:{op}:{op}", outcome=Outcome.APPLIED
+        ).exists(),
+        timeout=60,
+        what="the job applied",
+    )
+    time.sleep(1)
+    starts = redis_client.llen(f"started:{op}")
+    value = Counter.objects.get(name=op).value
+    other.stop()
+    return f"starts={starts} effect={value}"
+
+
+@pytest.mark.parametrize(
+    ("drain", "expected"),
+    [("1", "starts=1 effect=1"), ("0", "starts=2 effect=1")],
+    ids=["drained", "negative-control"],
+)
+def test_sigterm_mid_job_runs_it_once(start_worker, redis_client, drain, expected) -> None:
+    env = {"EXPLICIT_DRAIN_HEARTBEAT": drain}
+    outcomes = Tally(sigterm_mid_job(start_worker, redis_client, env) for _ in range(ROUNDS))
+    assert outcomes == Tally({expected: ROUNDS})
+
+
+def stale_ack_then_holder_dies(start_worker, redis_client, env: dict[str, str], n: int) -> str:  # type: ignore[no-untyped-def]
+    """One round (Redis broker): worker A's pool process is stopped past its lease;
+    worker B takes the job over and is still running it when A wakes up, has its commit
+    fenced and acks. B then dies (SIGKILL); a fresh worker C must still apply the job."""
+    tag = uuid.uuid4().hex[:8]
+    order_id = 1000 + n
+    Profile.objects.create(user_id=order_id, data="address")
+    # One message per worker at a time: the copy a sweep restores goes to the other
+    # worker, never to the stopped one's main process.
+    a = start_worker(concurrency=1, extra_env=env, prefetch_multiplier=1)
+    b = start_worker(concurrency=1, extra_env=env, prefetch_multiplier=1)
+    ShipToAddress().apply_async(args=[order_id, tag], queue=a.queue)
+    first = int(
+        wait_for(lambda: redis_client.lindex(f"started:{tag}", 0), timeout=20, what="start")
+    )
+    stale, live = (a, b) if first in a.child_pids() else (b, a)
+    os.kill(first, signal.SIGSTOP)
+    redis_client.set(f"stopped:{tag}", 1, ex=120)
+    try:
+        wait_for(lambda: redis_client.llen(f"started:{tag}") == 2, timeout=30, what="takeover")
+    finally:
+        os.kill(first, signal.SIGCONT)
+    second = int(redis_client.lindex(f"started:{tag}", 1))
+    if second not in live.child_pids():
+        return f"set-up: the takeover ran on the stale worker ({second})"
+    wait_for(
+        lambda: Attempt.objects.filter(
+            idempotency_key=f"ship:{order_id}", outcome=Outcome.FENCED
+        ).exists(),
+        timeout=30,
+        what="the stale copy's fenced attempt",
+    )
+    stale.stop()  # its ack has happened: the worker ends normally
+    live.kill_group()  # the live copy's worker dies mid-job
+    start_worker(concurrency=1, extra_env=env)
+    redis_client.set(f"proceed:{tag}", 1, ex=120)
+    try:
+        wait_for(
+            lambda: Attempt.objects.filter(
+                idempotency_key=f"ship:{order_id}", outcome=Outcome.APPLIED
+            ).exists(),
+            timeout=20,  # its lease is 2 s: applied within a few seconds when kept
+            what="the job applied by the fresh worker",
+        )
+    except TimeoutError:
+        return "lost"
+    return "applied"
+
+
+@pytest.mark.parametrize(
+    ("holder", "expected"),
+    [("1", "applied"), ("0", "lost")],
+    ids=["held", "negative-control"],
+)
+def test_a_stale_copys_ack_never_drops_the_live_copy(
+    start_worker, redis_client, holder, expected
+) -> None:
+    env = {"EXPLICIT_DELIVERY_HOLDER": holder}
+    outcomes = Tally(
+        stale_ack_then_holder_dies(start_worker, redis_client, env, n) for n in range(ROUNDS)
+    )
+    assert outcomes == Tally({expected: ROUNDS})
