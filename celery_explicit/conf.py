@@ -94,6 +94,10 @@ class Settings:
     execution_lease: Setting[bool] = Setting(True, _flag, env=True)
     #: *environment* Off: message and execution leases are not extended (they run out).
     lease_extend: Setting[bool] = Setting(True, _flag, env=True)
+    #: *environment* Off: an effect is checked only under the key this worker renders,
+    #: not under the key its message was published with nor the task's earlier key
+    #: templates (``celery_explicit.key_history``; a negative-control switch).
+    key_history: Setting[bool] = Setting(True, _flag, env=True)
     #: *environment* Off: a worker in warm shutdown stops extending the leases of the
     #: jobs it is still draining (Celery's own behaviour: they run out mid-job).
     drain_heartbeat: Setting[bool] = Setting(True, _flag, env=True)

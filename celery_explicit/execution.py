@@ -27,6 +27,12 @@ class Execution:
     outcome: Outcome | None = None
     external_request_id: str = ""
     dedup_id: str = ""
+    #: The key the message was published with, when it differs from ``key``.
+    published_key: str = ""
+    #: The effect's other names, checked and recorded with it (``key_history``).
+    other_keys: tuple[str, ...] = ()
+    #: Stored fingerprints that are the same call (the pre-``identity`` form).
+    accepted_fingerprints: tuple[str, ...] = ()
     #: An effect block committed this attempt's row (a later record updates it).
     effect_row_written: bool = False
     recorded: bool = False

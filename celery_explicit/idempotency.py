@@ -118,8 +118,37 @@ def render_key(
 
 
 def fingerprint(arguments: Mapping[str, Any]) -> str:
-    """A stable hash of the call's arguments (JSON, sorted keys; defaults included)."""
+    """A stable hash of the call's arguments (JSON, sorted keys; defaults included).
+
+    The ledger rows written before ``identity_fingerprint`` carry this one; it is
+    still accepted as the same call."""
     return hashlib.sha256(_CANONICAL.encode(arguments).encode()).hexdigest()
+
+
+def identity_fingerprint(arguments: Mapping[str, Any], signature: inspect.Signature) -> str:
+    """The fingerprint of a call without the arguments equal to their default.
+
+    ``f(ref)`` and ``f(ref, amount=10)`` with ``amount=10`` the default are one call,
+    and a parameter added to ``run()`` with a default leaves the fingerprint of every
+    call that does not pass it unchanged: a job applied before such a deploy and
+    delivered again after it is a duplicate, not a conflict.
+    """
+    params = signature.parameters
+    kept = {
+        name: value
+        for name, value in arguments.items()
+        if name not in params
+        or params[name].default is inspect.Parameter.empty
+        or not _same(value, params[name].default)
+    }
+    return fingerprint(kept)
+
+
+def _same(value: Any, default: Any) -> bool:
+    try:
+        return bool(value == default) and type(value) is type(default)
+    except Exception:  # an argument type whose comparison fails is not its default
+        return False
 
 
 #: ``json.dumps(..., sort_keys=True, separators=(",", ":"), default=str)``, made once

@@ -92,6 +92,12 @@ lease_extensions = Counter(
     "Times a held message's lease (per-task visibility timeout) was moved forward.",
     ["task"],
 )
+key_mismatches = Counter(
+    "explicit_key_mismatch_total",
+    "Jobs whose published idempotency key differs from the key this worker rendered "
+    "(the key template changed between publish and run): checked under both.",
+    ["task"],
+)
 stale_acks_withheld = Counter(
     "explicit_stale_acks_withheld_total",
     "Acks, rejects and restores of a delivery another worker holds now (a stale copy "

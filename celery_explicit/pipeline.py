@@ -33,6 +33,7 @@ from celery_explicit import (
     correlation,
     idempotency,
     job_log,
+    key_history,
     metrics,
     records,
     republish,
@@ -125,13 +126,24 @@ def begin(
     arguments, given = task.bind_arguments(tuple(args), dict(kwargs))
     key = idempotency.render_key(task.name, contract.idempotency_key, given)
     # The header is what the publisher rendered; the worker renders again from the
-    # arguments it is about to run with, and that one is the key of record.
+    # arguments it is about to run with, and that one is the key of record. Where they
+    # differ (a renamed template), both are the effect's names (``key_history``).
+    published: str | None = None
+    others: tuple[str, ...] = ()
+    if not request.called_directly:
+        published = key_history.published_key(task.name, request)
+        others = key_history.other_keys(task.name, contract.idempotency_key, key, published, given)
     request.idempotency_key = key
+    legacy = idempotency.fingerprint(arguments)
+    identity = idempotency.identity_fingerprint(arguments, contract.signature)
     execution = Execution(
         task_id=str(request.id or ""),
         task_name=task.name,
         key=key,
-        fingerprint=idempotency.fingerprint(arguments),
+        published_key=published if published is not None and published != key else "",
+        other_keys=others,
+        accepted_fingerprints=(legacy,) if legacy != identity else (),
+        fingerprint=identity,
         attempt=int(request.retries or 0) + 1,
         started_at=started or timezone.now(),
         audited=not request.called_directly,

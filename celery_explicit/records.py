@@ -44,6 +44,7 @@ def attempt_fields(
     replay_of: int | None = None,
     published_via: str = "",
     deferrals: dict[str, int] | None = None,
+    published_key: str = "",
 ) -> dict[str, Any]:
     """The columns of one attempt row (column names equal the field names)."""
     return dict(
@@ -69,6 +70,7 @@ def attempt_fields(
         replay_of=replay_of,
         published_via=published_via[:16],
         deferrals=deferrals or None,
+        published_key=published_key[:255],
     )
 
 
@@ -103,6 +105,7 @@ def fields_of(
         replay_of=_int_or_none(getattr(request, idempotency.REPLAY_HEADER, None)),
         published_via=str(getattr(request, idempotency.PUBLISHED_VIA_HEADER, None) or ""),
         deferrals=_counts(getattr(request, idempotency.DEFERRALS_HEADER, None)),
+        published_key=execution.published_key,
     )
 
 

@@ -37,6 +37,17 @@ class Effect:
     result_ref: str = ""
 
 
+@dataclass(frozen=True)
+class Rename:
+    """A task's key template changed since a worker last recorded it."""
+
+    task_name: str
+    old: str
+    new: str
+    #: Jobs of this task with no final attempt yet (retries, deferrals due).
+    in_flight: int
+
+
 class Store(Protocol):
     def effect(
         self,
@@ -48,8 +59,20 @@ class Store(Protocol):
         using: str | None,
         before_commit: Callable[[Effect], list[Statement]] | None,
         fence: int | None,
+        other_keys: Sequence[str] = (),
+        accepted_fingerprints: Sequence[str] = (),
     ) -> AbstractContextManager[Effect]:
-        """One transaction with the effect and its ledger row; refused when fenced."""
+        """One transaction with the effect and its ledger row; refused when fenced.
+
+        ``other_keys``: the effect's other names (``celery_explicit.key_history``),
+        checked in the same transaction and recorded with it. ``accepted_fingerprints``:
+        stored fingerprints that are not a conflict besides ``fingerprint``."""
+
+    def earlier_key_templates(self, task_name: str, current: str) -> list[str]:
+        """The task's recorded key templates other than ``current``, most recent first."""
+
+    def record_key_templates(self, current: Mapping[str, str]) -> list[Rename]:
+        """Record each task's current template; the renames since the last record."""
 
     def attempt_statement(self, fields: Mapping[str, Any], *, replace: bool) -> Statement:
         """The attempt row as a statement, to commit with the effect."""

@@ -33,7 +33,7 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.exceptions import InvalidTaskError
 
-from celery_explicit import job_log, redis_state, store, versions, worker_metrics
+from celery_explicit import job_log, key_history, redis_state, store, versions, worker_metrics
 from celery_explicit.conf import settings
 from celery_explicit.lease import LeaseKeeper
 from celery_explicit.request import MAX_NESTING, nested_deeper_than
@@ -149,6 +149,8 @@ def install(app: Any) -> None:
     # EXPLICIT_WORKER_METRICS_PORT: the pool's metrics, served by the main process.
     signals.worker_init.connect(worker_metrics.on_worker_init, dispatch_uid=__name__ + ".m")
     signals.worker_ready.connect(worker_metrics.on_worker_ready, dispatch_uid=__name__ + ".m")
+    # Each task's key template, and a warning for one renamed since the last start.
+    signals.worker_ready.connect(key_history.on_worker_ready, dispatch_uid=__name__ + ".keys")
     signals.worker_process_shutdown.connect(
         worker_metrics.on_worker_process_shutdown, dispatch_uid=__name__ + ".m"
     )

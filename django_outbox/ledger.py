@@ -76,6 +76,8 @@ def effect(
     using: str | None = None,
     before_commit: Callable[[Effect], list[Statement]] | None = None,
     fence: int | None = None,
+    other_keys: Sequence[str] = (),
+    accepted_fingerprints: Sequence[str] = (),
 ) -> Iterator[Effect]:
     """One transaction holding the effect and its ledger row.
 
@@ -84,9 +86,12 @@ def effect(
     with other arguments: that is neither a duplicate to absorb nor a new effect.
     ``fence`` is the execution lease's token for job ``task_id``: the commit is
     refused (``StaleFencingToken``, nothing written) when a newer execution took the
-    lease over.
+    lease over. ``other_keys`` are the effect's other names (a renamed key template,
+    ``celery_explicit.key_history``): found under one, the effect is done; applied,
+    it is recorded under each of them too, in the same commit.
     """
     alias = using or settings.database
+    accepted = (fingerprint, *accepted_fingerprints)
     connection = connections[alias]
     owns_transaction = not connection.in_atomic_block
     with transaction.atomic(using=alias):
@@ -99,11 +104,15 @@ def effect(
         else:
             won = _claim(connection, params)
             stored = None if won else _stored_or_claim(connection, params)
+        if stored is None and other_keys:
+            # Claimed under the key of record: under another of its names it may have
+            # been applied already (one more read, only for a job that has one).
+            stored = _stored_under(connection, other_keys)
         if stored is None:
             claimed = Effect(key=key, fingerprint=fingerprint, done=False)
         else:
             stored_fingerprint, result_ref = stored
-            if stored_fingerprint != fingerprint:
+            if stored_fingerprint not in accepted:
                 raise IdempotencyConflict(
                     key, stored_fingerprint=stored_fingerprint, fingerprint=fingerprint
                 )
@@ -122,6 +131,11 @@ def effect(
         statements: list[Statement] = []
         if claimed.result_ref and not claimed.done:
             statements.append((_RESULT_SQL, [str(claimed.result_ref)[:255], key]))
+        for other in other_keys:
+            # Under every name, so a worker that knows only one of them finds it.
+            statements.append((_CLAIM_SQL, [other, *params[1:]]))
+            if claimed.result_ref:
+                statements.append((_RESULT_SQL, [str(claimed.result_ref)[:255], other]))
         if before_commit is not None:
             statements += before_commit(claimed)
         if trips is not None:
@@ -168,6 +182,18 @@ def _stored_or_claim(connection: Any, params: list[Any]) -> Sequence[Any] | None
         if _claim(connection, params):
             return None
     raise DatabaseError(f"effect {key!r}: the ledger row kept vanishing")
+
+
+def _stored_under(connection: Any, keys: Sequence[str]) -> Sequence[Any] | None:
+    """The stored ``(fingerprint, result_ref)`` under the first of ``keys`` that the
+    ledger holds, or None."""
+    with connection.cursor() as cursor:
+        for other in keys:
+            cursor.execute(_EXISTING_SQL, [other])
+            stored = cursor.fetchone()
+            if stored is not None:
+                return stored  # type: ignore[no-any-return]
+    return None
 
 
 def _stale(task_id: str, key: str, fence: int | None, newer: int) -> LeaseLost:

@@ -130,6 +130,14 @@ class Attempt(models.Model):
     deferrals = models.JSONField(
         null=True, blank=True, help_text="deferrals before this attempt, by step"
     )
+    published_key = models.CharField(
+        max_length=255,
+        blank=True,
+        default="",
+        db_default="",
+        help_text="the key the message was published with, where it differs from the key "
+        "this worker rendered (a renamed template)",
+    )
 
     class Meta:
         db_table = "django_outbox_attempt"
@@ -157,6 +165,28 @@ class Attempt(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_name}[{self.task_id}] #{self.attempt}: {self.outcome}"
+
+
+class KeyTemplate(models.Model):
+    """A task's idempotency key template, as a worker started with it: the history
+    that lets a renamed template find the effects applied under the old one
+    (``celery_explicit.key_history``)."""
+
+    task_name = models.CharField(max_length=255)
+    template = models.CharField(max_length=255)
+    first_seen = models.DateTimeField()
+    last_seen = models.DateTimeField()
+
+    class Meta:
+        db_table = "django_outbox_key_template"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["task_name", "template"], name="django_outbox_key_template_unique"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}: {self.template}"
 
 
 class Dashboard(Attempt):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django_outbox import audit, dead_letters, ledger, receivers
+from django_outbox import audit, dead_letters, key_templates, ledger, receivers
 
 
 class DjangoStore:
@@ -19,6 +19,8 @@ class DjangoStore:
     record_takeover = staticmethod(ledger.record_takeover)
     record_hard_timeout = staticmethod(receivers.record_hard_timeout)
     record_undecodable = staticmethod(receivers.record_undecodable)
+    earlier_key_templates = staticmethod(key_templates.earlier)
+    record_key_templates = staticmethod(key_templates.record)
 
     @staticmethod
     def record_dead_letter(**fields: Any) -> None:

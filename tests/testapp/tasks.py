@@ -583,3 +583,36 @@ def report_redis_client(token: str) -> None:
     client = redis_state.client()
     kept = client.connection is not None
     client.set(f"probe:{token}", f"{os.getpid()}|{int(kept)}", ex=60)
+
+
+class RenamedCapture(ExplicitTask):
+    """A capture whose key template and ``run()`` signature change with the deploy:
+    ``EXPLICIT_TEST_CAPTURE_VERSION=2`` is the version after it (the key renamed, a
+    parameter added with a default). Dies after its commit when told to (``die``)."""
+
+    name = "tests.renamed_capture"
+    V2 = os.environ.get("EXPLICIT_TEST_CAPTURE_VERSION") == "2"
+    idempotency_key = "payment:{ref}:capture" if V2 else "cap:{ref}"
+    visibility_timeout = 10
+    expected_duration = 1
+    retry_on = ()
+    fail_on = ()
+
+    def capture(self, ref: str, die: bool) -> None:
+        with self.effect() as eff:
+            if not eff.done:
+                Counter.objects.filter(name=ref).update(value=F("value") + 1)
+        if die and not eff.done:
+            os.kill(os.getpid(), signal.SIGKILL)  # committed, not acked
+
+    if V2:
+
+        def run(self, ref: str, die: bool = False, currency: str = "EUR") -> None:
+            self.capture(ref, die)
+    else:
+
+        def run(self, ref: str, die: bool = False) -> None:
+            self.capture(ref, die)
+
+
+app.register_task(RenamedCapture())
