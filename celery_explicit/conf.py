@@ -150,6 +150,10 @@ class Settings:
     #: *environment* The worker's prometheus_client multiprocess directory, emptied at
     #: worker start; one per worker. Unset: ``<tmp>/celery-explicit-metrics-<port>``.
     metrics_dir: Setting[str] = Setting("", str, env=True)
+    #: RabbitMQ's ``consumer_timeout`` in seconds (its default, 30 min): a delivery held
+    #: longer has its channel closed. AMQP cannot read it; set it to what your
+    #: rabbitmq.conf says (``manage.py check``: django_outbox.W011); 0 turns the check off.
+    rabbitmq_consumer_timeout: Setting[float] = Setting(1800.0, float)
     #: The bearer token of the Django metrics view (database and broker gauges); unset:
     #: the view answers 404.
     #: *environment* Port where ``manage.py outbox_relay`` serves its own metrics (the

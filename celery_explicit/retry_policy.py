@@ -71,7 +71,10 @@ class RetryPolicy:
         """Seconds to wait before attempt ``attempt + 1``; ``attempt`` counts from 1.
 
         A ``retry_after`` carried by the exception (a 429's Retry-After header) wins
-        over the computed delay: the downstream knows better than our formula.
+        over the computed delay: the downstream knows better than our formula. It is
+        capped by ``backoff_cap`` all the same: a retry waits in a worker holding its
+        message, and a wait past the broker's limits (RabbitMQ's ``consumer_timeout``,
+        the Redis backstop) would redeliver it meanwhile.
         """
         retry_after = getattr(exc, "retry_after", None)
         if (
@@ -80,7 +83,7 @@ class RetryPolicy:
             and math.isfinite(retry_after)
             and retry_after >= 0
         ):
-            return float(retry_after)
+            return min(float(retry_after), self.backoff_cap)
         return backoff_delay(attempt, base=self.backoff_base, cap=self.backoff_cap, rng=rng)
 
 

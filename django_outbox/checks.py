@@ -15,6 +15,12 @@
 - E006 an outbox setting (``EXPLICIT_OUTBOX_*``) the relay cannot run with
 - W005 the installed Celery or kombu is outside the tested ranges: a worker refuses to
   start, or starts only because ``EXPLICIT_ALLOW_UNTESTED_VERSIONS`` overrides it
+- W010 (``check --database default``) a task's key template changed since a worker
+  last started with it: what the rename does, and the jobs still in flight
+- W011 RabbitMQ: a task's lease or retry delay is as long as the broker's
+  ``consumer_timeout``, which closes the channel of a message held that long
+- W012 Celery's soft shutdown (``worker_soft_shutdown_timeout``) is shorter than a
+  task's ``expected_duration``: a deploy cuts that job off and it runs again
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ def check_celery_configuration(
 
     errors += _check_serializers(app)
     errors += _check_visibility(app, tasks)
+    errors += _check_consumer_timeout(app, tasks)
+    errors += _check_soft_shutdown(app, tasks)
     errors += _check_broker_url(app, tasks)
     errors += _check_unregistered(app)
     return errors
@@ -177,6 +185,114 @@ def _check_serializers(app: Any) -> list[checks.CheckMessage]:
             id="django_outbox.E002",
         )
     ]
+
+
+def _check_consumer_timeout(app: Any, tasks: list[Any]) -> list[checks.CheckMessage]:
+    """W011: RabbitMQ closes the channel of a delivery unacknowledged for longer than
+    its ``consumer_timeout`` (30 min by default), and every message on it is
+    redelivered. With ``acks_late`` a job holds its message while it runs, and a retry
+    or deferral waiting for its ETA holds it in the worker too."""
+    url = str(app.conf.broker_url or "")
+    if not url.startswith(("amqp://", "amqps://", "pyamqp://")):
+        return []
+    limit = settings.rabbitmq_consumer_timeout
+    if limit <= 0:
+        return []
+    found: list[checks.CheckMessage] = []
+    for task in sorted(tasks, key=lambda t: t.name):
+        contract = task.contract
+        longest = max(
+            contract.visibility_timeout, contract.retry.backoff_cap, contract.max_run_time or 0
+        )
+        if longest >= limit:
+            found.append(
+                checks.Warning(
+                    f"task {task.name} may hold its message {longest:g}s (its lease, "
+                    f"backoff_cap or max_run_time), as long as RabbitMQ's consumer_timeout "
+                    f"of {limit:g}s: the broker would close the channel and redeliver "
+                    "every message on it",
+                    hint="Raise consumer_timeout in rabbitmq.conf (or the queue's "
+                    "x-consumer-timeout) and EXPLICIT_RABBITMQ_CONSUMER_TIMEOUT with it, or "
+                    "shorten the task's lease and backoff_cap.",
+                    obj=task.name,
+                    id="django_outbox.W011",
+                )
+            )
+    return found
+
+
+def _check_soft_shutdown(app: Any, tasks: list[Any]) -> list[checks.CheckMessage]:
+    """W012: with Celery's soft shutdown on (``worker_soft_shutdown_timeout`` > 0,
+    Celery 5.5+), a SIGTERM that Celery treats as a cold shutdown
+    (``REMAP_SIGTERM=SIGQUIT``) still lets running jobs finish for that long, then
+    ends them; a job expected to run longer is cut off by every deploy and run again
+    (docs/howto/deploys.md)."""
+    grace = float(app.conf.get("worker_soft_shutdown_timeout") or 0)
+    if grace <= 0:
+        return []
+    found: list[checks.CheckMessage] = []
+    for task in sorted(tasks, key=lambda t: t.name):
+        expected = task.contract.expected_duration
+        if expected > grace:
+            found.append(
+                checks.Warning(
+                    f"task {task.name} expects to run {expected:g}s, longer than "
+                    f"worker_soft_shutdown_timeout={grace:g}s: a deploy that stops the "
+                    "worker ends the job before it finishes, and it runs again elsewhere",
+                    hint=f"Set worker_soft_shutdown_timeout to at least {expected:g} (and "
+                    "the deploy's grace period above it), or rely on the warm shutdown.",
+                    obj=task.name,
+                    id="django_outbox.W012",
+                )
+            )
+    return found
+
+
+@checks.register("django_outbox", checks.Tags.database)
+def check_key_renames(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """W010: a task whose recorded key templates differ (a rename). Reads the
+    database, so only ``check --database <alias>`` runs it (as Django's own)."""
+    from django.db import DatabaseError
+
+    from django_outbox import key_templates
+
+    if settings.database not in (kwargs.get("databases") or ()):
+        return []
+    try:
+        app = settings.celery_app()
+        autodiscover_modules("tasks")  # as check_celery_configuration does
+        app.finalize(auto=True)
+        current = {
+            t.name: t.contract.idempotency_key
+            for t in _explicit_tasks(app)
+            if isinstance(t.contract.idempotency_key, str)
+        }
+        recorded = key_templates.renamed()
+    except (DatabaseError, ImportError, ContractError):
+        return []  # no table yet (before migrate), no app, a bad task: others say so
+    found: list[checks.CheckMessage] = []
+    for rename in recorded:
+        now = current.get(rename.task_name)
+        if now is None:
+            continue
+        old = rename.old if now == rename.new else rename.new
+        if now == old:
+            continue
+        found.append(
+            checks.Warning(
+                f"task {rename.task_name}: idempotency_key was {old!r} and is now {now!r}. "
+                f"An effect applied under either is found under both, and recorded under "
+                f"both when applied; {rename.in_flight} job(s) with a retry pending were "
+                "published under the old one",
+                hint="Nothing to do for a rename (celery_explicit.key_history); a template "
+                "that names another effect needs a new task name instead.",
+                obj=rename.task_name,
+                id="django_outbox.W010",
+            )
+        )
+    return found
 
 
 def _redis_visibility_timeout(app: Any) -> float | None:

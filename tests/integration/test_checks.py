@@ -164,3 +164,56 @@ def test_a_task_class_no_app_registered_is_a_warning() -> None:
         gc.collect()
     found = [m for m in checks.check_celery_configuration() if m.id == "django_outbox.W004"]
     assert found == []
+
+
+def test_a_lease_or_backoff_as_long_as_rabbitmqs_consumer_timeout_is_a_warning(
+    conf: Any,
+) -> None:
+    saved = conf.broker_url
+    conf.broker_url = "amqp://guest:guest@127.0.0.1:5672//"
+    try:
+        with override_settings(EXPLICIT_RABBITMQ_CONSUMER_TIMEOUT=45):
+            found = checks.check_celery_configuration()
+        assert "django_outbox.W011" in ids(found)
+        named = {m.obj for m in found if m.id == "django_outbox.W011"}
+        assert "tests.increment" in named  # backoff_cap 60 s by default
+        assert "consumer_timeout of 45s" in next(m.msg for m in found if m.id.endswith("W011"))
+        # RabbitMQ's own default (30 min) is longer than every test task's lease and cap.
+        assert "django_outbox.W011" not in ids(checks.check_celery_configuration())
+    finally:
+        conf.broker_url = saved
+
+
+def test_a_soft_shutdown_shorter_than_a_job_is_a_warning(conf: Any) -> None:
+    saved = conf.get("worker_soft_shutdown_timeout")
+    conf.worker_soft_shutdown_timeout = 0.5
+    try:
+        found = [m for m in checks.check_celery_configuration() if m.id == "django_outbox.W012"]
+        assert found and all("worker_soft_shutdown_timeout=0.5s" in m.msg for m in found)
+        assert "tests.increment" in {m.obj for m in found}  # expects 1 s
+    finally:
+        conf.worker_soft_shutdown_timeout = saved
+    assert not [m for m in checks.check_celery_configuration() if m.id == "django_outbox.W012"]
+
+
+@pytest.mark.django_db
+def test_a_renamed_key_template_is_a_warning_naming_both() -> None:
+    from django.utils import timezone
+
+    from django_outbox.models import KeyTemplate
+
+    now = timezone.now()
+    KeyTemplate.objects.create(
+        task_name="tests.increment", template="count:{name}:{op_id}", first_seen=now, last_seen=now
+    )
+    KeyTemplate.objects.create(
+        task_name="tests.increment",
+        template="counter:{name}:op:{op_id}",
+        first_seen=now,
+        last_seen=now + timezone.timedelta(seconds=1),
+    )
+    assert checks.check_key_renames() == []  # only with --database
+    found = checks.check_key_renames(databases=["default"])
+    assert ids(found) == ["django_outbox.W010"]
+    assert "'count:{name}:{op_id}' and is now 'counter:{name}:op:{op_id}'" in found[0].msg
+    assert found[0].obj == "tests.increment"

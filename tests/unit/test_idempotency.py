@@ -68,3 +68,32 @@ def test_a_none_field_of_a_callable_key_is_bad_input() -> None:
 def test_dedup_keys_are_named_as_such_in_errors() -> None:
     with pytest.raises(BadInput, match="dedup key field 'event_id' is missing"):
         render_key("t", "{event_id}", {}, label="dedup key")
+
+
+def test_a_default_does_not_change_the_identity_fingerprint() -> None:
+    import inspect
+
+    from celery_explicit.idempotency import fingerprint, identity_fingerprint
+
+    def before(ref: str) -> None: ...
+    def after(ref: str, currency: str = "EUR") -> None: ...
+
+    old = identity_fingerprint({"ref": "a"}, inspect.signature(before))
+    # A parameter added with a default, passed or not at its default: the same call.
+    assert identity_fingerprint({"ref": "a", "currency": "EUR"}, inspect.signature(after)) == old
+    # Another value is another call; the form with every default stays distinct.
+    assert identity_fingerprint({"ref": "a", "currency": "USD"}, inspect.signature(after)) != old
+    assert fingerprint({"ref": "a", "currency": "EUR"}) != old
+
+
+@pytest.mark.parametrize("header", [["cap:a"], "", "x" * 256, 7])
+def test_a_malformed_key_header_is_bad_input_naming_the_task(header: object) -> None:
+    from types import SimpleNamespace
+
+    from celery_explicit.errors import BadInput
+    from celery_explicit.key_history import published_key
+
+    with pytest.raises(BadInput, match=r"shop\.capture.*idempotency_key"):
+        published_key("shop.capture", SimpleNamespace(idempotency_key=header))
+    assert published_key("shop.capture", SimpleNamespace(idempotency_key="cap:a")) == "cap:a"
+    assert published_key("shop.capture", SimpleNamespace()) is None

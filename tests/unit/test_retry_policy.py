@@ -74,3 +74,9 @@ def test_a_non_finite_retry_after_falls_back_to_backoff() -> None:
     exc = Timeout()
     exc.retry_after = float("inf")  # type: ignore[attr-defined]
     assert 0 <= policy().delay(1, exc) <= 1.0
+
+
+def test_a_retry_after_longer_than_the_cap_is_capped() -> None:
+    # A retry waits in a worker holding its message: past the broker's limits it
+    # would be redelivered meanwhile, so the task's cap holds for the downstream too.
+    assert policy().delay(1, RetryAfter(3600)) == 30.0
