@@ -105,7 +105,7 @@ def stale_ack_then_holder_dies(start_worker, redis_client, env: dict[str, str], 
     )
     stale.stop()  # its ack has happened: the worker ends normally
     live.kill_group()  # the live copy's worker dies mid-job
-    start_worker(concurrency=1, extra_env=env)
+    fresh = start_worker(concurrency=1, extra_env=env, prefetch_multiplier=1)
     redis_client.set(f"proceed:{tag}", 1, ex=120)
     try:
         wait_for(
@@ -117,6 +117,10 @@ def stale_ack_then_holder_dies(start_worker, redis_client, env: dict[str, str], 
         )
     except TimeoutError:
         return "lost"
+    finally:
+        # No worker of this round serves the next one's queue: its takeover must land
+        # on that round's own second worker.
+        fresh.stop()
     return "applied"
 
 
