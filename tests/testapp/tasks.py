@@ -95,8 +95,10 @@ class Throttled(ExplicitTask):
     retry_on = (ThrottledError,)
     fail_on = ()
     max_attempts = 2
+    # The computed backoff is at most 0.01 s; the cap leaves room for the downstream's
+    # 1.5 s (a retry_after is capped by backoff_cap too).
     backoff_base = 0.01
-    backoff_cap = 0.02
+    backoff_cap = 2.0
 
     def run(self, job: str) -> None:
         raise ThrottledError(retry_after=1.5)
