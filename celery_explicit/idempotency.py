@@ -125,6 +125,21 @@ def fingerprint(arguments: Mapping[str, Any]) -> str:
     return hashlib.sha256(_CANONICAL.encode(arguments).encode()).hexdigest()
 
 
+def identity_arguments(
+    arguments: Mapping[str, Any], signature: inspect.Signature
+) -> dict[str, Any]:
+    """A call's arguments without those equal to their default (see
+    ``identity_fingerprint``)."""
+    params = signature.parameters
+    return {
+        name: value
+        for name, value in arguments.items()
+        if name not in params
+        or params[name].default is inspect.Parameter.empty
+        or not _same(value, params[name].default)
+    }
+
+
 def identity_fingerprint(arguments: Mapping[str, Any], signature: inspect.Signature) -> str:
     """The fingerprint of a call without the arguments equal to their default.
 
@@ -133,15 +148,7 @@ def identity_fingerprint(arguments: Mapping[str, Any], signature: inspect.Signat
     call that does not pass it unchanged: a job applied before such a deploy and
     delivered again after it is a duplicate, not a conflict.
     """
-    params = signature.parameters
-    kept = {
-        name: value
-        for name, value in arguments.items()
-        if name not in params
-        or params[name].default is inspect.Parameter.empty
-        or not _same(value, params[name].default)
-    }
-    return fingerprint(kept)
+    return fingerprint(identity_arguments(arguments, signature))
 
 
 def _same(value: Any, default: Any) -> bool:

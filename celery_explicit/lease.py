@@ -26,7 +26,15 @@ process does that every ``T / 4`` for each message it holds, with ``T`` the task
   (``FIRST_LEASE_INTERVAL``), which also leases any message the delivery did not (a
   task this worker does not know);
 - a pool child that is stopped (SIGSTOP, ``T`` state in /proc) is not extended: its
-  lease runs out like a dead worker's.
+  lease runs out like a dead worker's;
+- during a warm shutdown (a deploy's SIGTERM) Celery stops the consumer, and this
+  heartbeat with it, before the pool has drained: a thread of the main process then
+  keeps extending what still runs and gives back at once what never started
+  (``LeaseKeeper._start_drain``);
+- a message a sweep restored keeps its delivery tag, and kombu acks by tag: beside
+  ``unacked`` a hash names the worker that holds each delivery now, and the ack,
+  requeue and shutdown restore of any other worker (a stale copy) leave its record
+  alone (``_ack_if_held``).
 
 Each extension is one ``ZADD XX`` (the entry must still exist: an acked message is not
 resurrected) plus the lease record an operator reads: ``{prefix}lease:{task_id}``, a
@@ -177,6 +185,29 @@ def unacked_index_key(channel: Any) -> str:
     return str(getattr(channel, "global_keyprefix", "") or "") + str(channel.unacked_index_key)
 
 
+def holders_key_of(channel: Any) -> str:
+    """Our delivery holders beside kombu's ``unacked`` of ``channel``, as the server
+    names them (the transport's ``global_keyprefix`` added, as ``unacked_index_key``)."""
+    return str(getattr(channel, "global_keyprefix", "") or "") + holders_key(
+        str(channel.unacked_key)
+    )
+
+
+def broker_client(channel: Any) -> Any:
+    """A plain redis-py client on the channel's own connection pool, kept while the
+    pool lives: a pooled connection, never channel.client's own (that one may be
+    blocked in BRPOP, and a reply read by the wrong reader stops the worker), and no
+    kombu key prefixing (``unacked_index_key``: kombu would prefix only the first key
+    of a script call)."""
+    import redis
+
+    pool = channel.pool
+    client = getattr(channel, "explicit_client", None)
+    if client is None or client.connection_pool is not pool:
+        client = channel.explicit_client = redis.Redis(connection_pool=pool)
+    return client
+
+
 def child_is_stopped(pid: int | None) -> bool:
     """True when the pool child is stopped (SIGSTOP, a debugger): /proc state T or t."""
     if not pid:
@@ -202,9 +233,10 @@ def lease_on_delivery(qos: Any, leases: Mapping[str, float]) -> None:
     fails if kombu's own method comes to write anything else.
     """
     qos.explicit_leases = dict(leases)
-    qos.explicit_holder = holder_id()
+    # Off: no holder is recorded (nothing would remove it) and kombu's ack stays.
+    qos.explicit_holder = holder_id() if settings.delivery_holder else ""
     qos.append = MethodType(_append_with_lease, qos)
-    if settings.delivery_holder:
+    if qos.explicit_holder:
         qos.ack = MethodType(_ack_if_held, qos)
         qos.reject = MethodType(_reject_if_held, qos)
         qos.restore_unacked = MethodType(_restore_unacked_if_held, qos)
@@ -232,39 +264,18 @@ def _append_with_lease(qos: Any, message: Any, delivery_tag: str) -> None:
     with qos.pipe_or_acquire() as pipe:
         pipe.zadd(qos.unacked_index_key, {delivery_tag: score})
         pipe.hset(qos.unacked_key, delivery_tag, raw)
-        # Which worker holds this delivery now: a copy restored by a sweep keeps its
-        # tag, so the tag alone cannot tell the live copy from a stale one.
-        pipe.hset(holders_key(qos.unacked_key), delivery_tag, qos.explicit_holder)
+        if qos.explicit_holder:
+            # Which worker holds this delivery now: a copy restored by a sweep keeps
+            # its tag, so the tag alone cannot tell the live copy from a stale one.
+            pipe.hset(holders_key(qos.unacked_key), delivery_tag, qos.explicit_holder)
         pipe.execute()
     # What kombu's method does next: the in-memory record of the delivery.
     super(kombu_redis.QoS, qos).append(message, delivery_tag)
 
 
-def _plain_client(qos: Any) -> Any:
-    """A plain redis-py client on the channel's pool (see ``LeaseKeeper._broker_client``):
-    kombu's own client would prefix only the first key of a script call."""
-    import redis
-
-    pool = qos.channel.pool
-    client = getattr(qos, "explicit_client", None)
-    if client is None or client.connection_pool is not pool:
-        client = qos.explicit_client = redis.Redis(connection_pool=pool)
-    return client
-
-
-def _broker_keys(qos: Any) -> tuple[str, str, str]:
-    """kombu's unacked_index and unacked, and our holders, as the server names them."""
-    head = str(getattr(qos.channel, "global_keyprefix", "") or "")
-    return (
-        head + str(qos.unacked_index_key),
-        head + str(qos.unacked_key),
-        head + holders_key(str(qos.unacked_key)),
-    )
-
-
 def _held_elsewhere(qos: Any, delivery_tag: str) -> bool:
     """True when another worker holds ``delivery_tag`` now (this copy is stale)."""
-    holder = _plain_client(qos).hget(_broker_keys(qos)[2], delivery_tag)
+    holder = broker_client(qos.channel).hget(holders_key_of(qos.channel), delivery_tag)
     return holder is not None and text(holder) != qos.explicit_holder
 
 
@@ -280,10 +291,10 @@ def _ack_if_held(qos: Any, delivery_tag: str) -> None:
     """
     from kombu.transport import redis as kombu_redis
 
-    index, unacked, holders = _broker_keys(qos)
-    removed = call(
-        _plain_client(qos), ACK, [index, unacked, holders], [delivery_tag, qos.explicit_holder]
-    )
+    channel = qos.channel
+    unacked = str(getattr(channel, "global_keyprefix", "") or "") + str(qos.unacked_key)
+    keys = [unacked_index_key(channel), unacked, holders_key_of(channel)]
+    removed = call(broker_client(channel), ACK, keys, [delivery_tag, qos.explicit_holder])
     if not removed:
         metrics.stale_acks_withheld.labels("ack").inc()
         logger.warning(
@@ -367,7 +378,6 @@ class LeaseKeeper(bootsteps.StartStopStep):
         #: heartbeat.
         self._leased: set[str] = set()
         self._gone: set[str] = set()
-        self._client: Any = None
         self._interval: float | None = None
         self._drain_stop: threading.Event | None = None
 
@@ -432,8 +442,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 ),
                 backstop=float(channel.visibility_timeout),
                 index=unacked_index_key(channel),
-                holders=str(getattr(channel, "global_keyprefix", "") or "")
-                + holders_key(str(channel.unacked_key)),
+                holders=holders_key_of(channel),
             )
         thread = threading.Thread(
             target=self._drain,
@@ -455,18 +464,10 @@ class LeaseKeeper(bootsteps.StartStopStep):
 
         given_back: set[str] = set()
         while not stop.wait(interval):
-            held = _held_now()
-            running = [
-                r
-                for r in held
-                if contract_of(r.task) is not None and r.worker_pid and not r.acknowledged
-            ]
+            ours = [r for r in _held_now() if contract_of(r.task) is not None]
+            running = [r for r in ours if r.worker_pid and not r.acknowledged]
             waiting = [
-                r
-                for r in held
-                if contract_of(r.task) is not None
-                and not r.worker_pid
-                and r.message.delivery_tag not in given_back
+                r for r in ours if not r.worker_pid and r.message.delivery_tag not in given_back
             ]
             if not running and not waiting:
                 return
@@ -507,7 +508,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
 
         channel = parent.connection.default_channel
         try:
-            self._extend_all(channel, self._broker_client(channel), held)
+            self._extend_all(channel, broker_client(channel), held)
         except channel.connection_errors:
             logger.warning("could not extend leases: broker connection lost")
         except redis.RedisError as exc:
@@ -545,28 +546,12 @@ class LeaseKeeper(bootsteps.StartStopStep):
         except redis.RedisError:
             logger.warning("could not extend execution leases: Redis unavailable")
 
-    def _broker_client(self, channel: Any) -> Any:
-        """A plain redis-py client on the channel's own connection pool, kept while the
-        pool lives: a pooled connection, never channel.client's own (that one may be
-        blocked in BRPOP, and a reply read by the wrong reader stops the worker), and
-        no kombu key prefixing (``unacked_index_key``)."""
-        import redis
-
-        pool = channel.pool
-        if self._client is None or self._client.connection_pool is not pool:
-            self._client = redis.Redis(connection_pool=pool)
-        return self._client
-
     def _extend_all(self, channel: Any, client: Any, held: list[Any]) -> None:
         """Move the lease of each message in ``held``: one round trip for all of them."""
         backstop = float(channel.visibility_timeout)
         now = time.time()
         extend = settings.lease_extend
-        index = unacked_index_key(channel)
-        holders = str(getattr(channel, "global_keyprefix", "") or "") + holders_key(
-            str(channel.unacked_key)
-        )
-        me = holder_id()
+        index, holders, me = unacked_index_key(channel), holders_key_of(channel), holder_id()
         calls: list[tuple[Any, str, list[Any], list[Any]]] = []
         for request in held:
             task = request.task
@@ -586,17 +571,9 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 # Stopped before its first heartbeat: its message still has kombu's
                 # score (its delivery time), so it would wait out the global timeout.
                 # Give it its own lease once; it runs out T from now.
-            lease = contract.visibility_timeout
-            deadline = now + lease
-            keys = [index, record_key(request.id), holders]
-            args = [
-                tag,
-                deadline - backstop,
-                int(lease * 1000),
-                f"{self._host}:{pid or os.getpid()}",
-                int(deadline * 1000),
-                me,
-            ]
+            keys, args = extend_arguments(
+                request, contract, index, holders, backstop, now, self._host, me
+            )
             calls.append((task, tag, keys, args))
         if not calls:
             return
@@ -607,6 +584,32 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 metrics.lease_extensions.labels(task.name).inc()
             else:
                 self._gone.add(tag)
+
+
+def extend_arguments(
+    request: Any,
+    contract: Contract,
+    index: str,
+    holders: str,
+    backstop: float,
+    now: float,
+    host: str,
+    me: str,
+) -> tuple[list[Any], list[Any]]:
+    """``EXTEND``'s keys and arguments for ``request``'s message: its deadline ``now``
+    plus the task's lease, scored against the broker's ``backstop``."""
+    lease = contract.visibility_timeout
+    deadline = now + lease
+    keys = [index, record_key(request.id), holders]
+    args = [
+        request.message.delivery_tag,
+        deadline - backstop,
+        int(lease * 1000),
+        f"{host}:{request.worker_pid or os.getpid()}",
+        int(deadline * 1000),
+        me,
+    ]
+    return keys, args
 
 
 def _held_now() -> list[Any]:
@@ -635,18 +638,12 @@ class _DrainBroker:
         now, me = time.time(), holder_id()
         calls = []
         for request in running:
-            lease = contract_of(request.task).visibility_timeout  # type: ignore[union-attr]
-            if child_is_stopped(request.worker_pid):
+            contract = contract_of(request.task)
+            if contract is None or child_is_stopped(request.worker_pid):
                 continue  # a stopped child's lease runs out, as in the heartbeat
-            keys = [self.index, record_key(request.id), self.holders]
-            args = [
-                request.message.delivery_tag,
-                now + lease - self.backstop,
-                int(lease * 1000),
-                f"{host}:{request.worker_pid}",
-                int((now + lease) * 1000),
-                me,
-            ]
+            keys, args = extend_arguments(
+                request, contract, self.index, self.holders, self.backstop, now, host, me
+            )
             calls.append((EXTEND, keys, args))
         if calls:
             call_many(self.client, calls)

@@ -134,16 +134,18 @@ def begin(
         published = key_history.published_key(task.name, request)
         others = key_history.other_keys(task.name, contract.idempotency_key, key, published, given)
     request.idempotency_key = key
-    legacy = idempotency.fingerprint(arguments)
-    identity = idempotency.identity_fingerprint(arguments, contract.signature)
+    kept = idempotency.identity_arguments(arguments, contract.signature)
+    # Rows written before defaults were left out carry every argument's fingerprint:
+    # the same call, different only where a default was left out.
+    legacy = idempotency.fingerprint(arguments) if len(kept) != len(arguments) else None
     execution = Execution(
         task_id=str(request.id or ""),
         task_name=task.name,
         key=key,
         published_key=published if published is not None and published != key else "",
         other_keys=others,
-        accepted_fingerprints=(legacy,) if legacy != identity else (),
-        fingerprint=identity,
+        accepted_fingerprints=(legacy,) if legacy else (),
+        fingerprint=idempotency.fingerprint(kept),
         attempt=int(request.retries or 0) + 1,
         started_at=started or timezone.now(),
         audited=not request.called_directly,

@@ -42,6 +42,21 @@ from django_outbox.conf import settings
 REDIS_DEFAULT_VISIBILITY_TIMEOUT = 3600.0
 
 
+def _loaded_tasks(app: Any) -> list[Any]:
+    """Every ExplicitTask of ``app``, its task modules imported; ``ContractError`` for
+    the first that does not load.
+
+    Decorator-declared tasks are lazy until the app finalizes; forced here so a
+    contract error surfaces in the check, not when the task is first used. (Celery's
+    own import_default_modules would run django.setup() again from inside a check;
+    importing each installed app's tasks module is what its Django autodiscovery
+    does.)
+    """
+    autodiscover_modules("tasks")
+    app.finalize(auto=True)
+    return _explicit_tasks(app)
+
+
 def _explicit_tasks(app: Any) -> list[Any]:
     from celery_explicit.task import ExplicitTask
 
@@ -65,14 +80,7 @@ def check_celery_configuration(
 
     errors: list[checks.CheckMessage] = []
     try:
-        # Decorator-declared tasks are lazy until the app finalizes; force it so a
-        # contract error surfaces here, not when the task is first used.
-        # (Celery's own import_default_modules would run django.setup() again from
-        # inside a check; importing each installed app's tasks module is what its
-        # Django autodiscovery does.)
-        autodiscover_modules("tasks")
-        app.finalize(auto=True)
-        tasks = _explicit_tasks(app)
+        tasks = _loaded_tasks(app)
     except ContractError as exc:
         return [
             checks.Error(
@@ -261,12 +269,9 @@ def check_key_renames(
     if settings.database not in (kwargs.get("databases") or ()):
         return []
     try:
-        app = settings.celery_app()
-        autodiscover_modules("tasks")  # as check_celery_configuration does
-        app.finalize(auto=True)
         current = {
             t.name: t.contract.idempotency_key
-            for t in _explicit_tasks(app)
+            for t in _loaded_tasks(settings.celery_app())
             if isinstance(t.contract.idempotency_key, str)
         }
         recorded = key_templates.renamed()
@@ -277,9 +282,8 @@ def check_key_renames(
         now = current.get(rename.task_name)
         if now is None:
             continue
+        # The most recent template other than the one the code declares now.
         old = rename.old if now == rename.new else rename.new
-        if now == old:
-            continue
         found.append(
             checks.Warning(
                 f"task {rename.task_name}: idempotency_key was {old!r} and is now {now!r}. "

@@ -185,15 +185,15 @@ def _stored_or_claim(connection: Any, params: list[Any]) -> Sequence[Any] | None
 
 
 def _stored_under(connection: Any, keys: Sequence[str]) -> Sequence[Any] | None:
-    """The stored ``(fingerprint, result_ref)`` under the first of ``keys`` that the
-    ledger holds, or None."""
+    """The stored ``(fingerprint, result_ref)`` under one of ``keys``, or None: one
+    statement whatever their number."""
+    marks = ", ".join(["%s"] * len(keys))
     with connection.cursor() as cursor:
-        for other in keys:
-            cursor.execute(_EXISTING_SQL, [other])
-            stored = cursor.fetchone()
-            if stored is not None:
-                return stored  # type: ignore[no-any-return]
-    return None
+        cursor.execute(
+            f"SELECT fingerprint, result_ref FROM {_table} WHERE key IN ({marks}) LIMIT 1",
+            list(keys),
+        )
+        return cursor.fetchone()  # type: ignore[no-any-return]
 
 
 def _stale(task_id: str, key: str, fence: int | None, newer: int) -> LeaseLost:
