@@ -87,11 +87,6 @@ def earlier_templates(task_name: str, current: str) -> tuple[str, ...]:
     return found
 
 
-def forget() -> None:
-    """Read the earlier templates again (a test, or a worker that recorded new ones)."""
-    _earlier.clear()
-
-
 def other_keys(
     task_name: str,
     declaration: idempotency.KeyDeclaration,
@@ -150,7 +145,7 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
     except DatabaseError as exc:
         logger.warning("could not record the tasks' key templates: %s", exc)
         return
-    forget()
+    # The pool's processes read the templates at their first job, after this.
     for rename in renames:
         logger.warning(
             "task %s: idempotency_key template changed from %r to %r; %d job(s) "

@@ -104,10 +104,12 @@ def effect(
         else:
             won = _claim(connection, params)
             stored = None if won else _stored_or_claim(connection, params)
+        found_elsewhere = False
         if stored is None and other_keys:
             # Claimed under the key of record: under another of its names it may have
             # been applied already (one more read, only for a job that has one).
             stored = _stored_under(connection, other_keys)
+            found_elsewhere = stored is not None
         if stored is None:
             claimed = Effect(key=key, fingerprint=fingerprint, done=False)
         else:
@@ -129,13 +131,16 @@ def effect(
                 "was caught; let it propagate or wrap the failing part in atomic()"
             )
         statements: list[Statement] = []
-        if claimed.result_ref and not claimed.done:
-            statements.append((_RESULT_SQL, [str(claimed.result_ref)[:255], key]))
+        ref = str(claimed.result_ref)[:255] if claimed.result_ref else ""
+        if ref and (not claimed.done or found_elsewhere):
+            # Applied now, or under another name: the key of record's row (claimed by
+            # this transaction) carries the result a later duplicate is handed.
+            statements.append((_RESULT_SQL, [ref, key]))
         for other in other_keys:
             # Under every name, so a worker that knows only one of them finds it.
             statements.append((_CLAIM_SQL, [other, *params[1:]]))
-            if claimed.result_ref:
-                statements.append((_RESULT_SQL, [str(claimed.result_ref)[:255], other]))
+            if ref and not claimed.done:
+                statements.append((_RESULT_SQL, [ref, other]))
         if before_commit is not None:
             statements += before_commit(claimed)
         if trips is not None:

@@ -237,3 +237,45 @@ def test_a_row_deleted_between_the_lost_claim_and_the_read_is_claimed_again(
     row = ProcessedOperation.objects.get(key="k9")
     assert (row.fingerprint, row.result_ref) == ("new", "second")
     connection.close()
+
+
+def renamed(key: str, others: list[str], fingerprint: str = "f1", accepted=()):  # type: ignore[no-untyped-def]
+    return ledger.effect(
+        key=key,
+        fingerprint=fingerprint,
+        task_name="t",
+        task_id="id",
+        other_keys=others,
+        accepted_fingerprints=accepted,
+    )
+
+
+def test_an_effect_applied_under_another_name_is_done_and_its_result_carried() -> None:
+    with claim("cap:1") as first:
+        first.result_ref = "ref-cap"
+    with renamed("payment:1:capture", ["cap:1"]) as again:
+        assert again.done and again.result_ref == "ref-cap"
+    # The key of record now holds the result too: its next duplicate is handed it.
+    assert ProcessedOperation.objects.get(key="payment:1:capture").result_ref == "ref-cap"
+    with claim("payment:1:capture") as third:
+        assert third.done and third.result_ref == "ref-cap"
+
+
+def test_an_effect_applied_now_is_recorded_under_every_name() -> None:
+    with renamed("payment:2:capture", ["cap:2"]) as eff:
+        assert not eff.done
+        eff.result_ref = "ref-2"
+    refs = dict(ProcessedOperation.objects.values_list("key", "result_ref"))
+    assert refs == {"payment:2:capture": "ref-2", "cap:2": "ref-2"}
+    # An older worker, which knows only the old name, finds it.
+    with claim("cap:2") as old:
+        assert old.done and old.result_ref == "ref-2"
+
+
+def test_an_accepted_fingerprint_is_no_conflict_and_another_one_is() -> None:
+    with claim("k-fp", fingerprint="legacy") as eff:
+        assert not eff.done
+    with renamed("k-fp", [], fingerprint="identity", accepted=["legacy"]) as again:
+        assert again.done
+    with pytest.raises(IdempotencyConflict), renamed("k-fp", [], fingerprint="other"):
+        pass
