@@ -18,6 +18,7 @@ import pytest
 
 from django_outbox.models import Attempt, Outcome
 from tests.support.waiting import wait_for
+from tests.support.workers import Worker
 from tests.testapp.models import Counter, Profile
 from tests.testapp.tasks import HoldsTheLine, ShipToAddress
 
@@ -28,21 +29,27 @@ pytestmark = [
 ]
 
 ROUNDS = 3
-#: The job outlasts its lease (HoldsTheLine.visibility_timeout = 10 s) many times over.
+#: The job outlasts its lease (HoldsTheLine.visibility_timeout = 10 s): without a
+#: heartbeat while the worker drains, another worker takes it over before it ends.
 SECONDS = 14.0
 
 
-def sigterm_mid_job(start_worker, redis_client, broker_env: dict[str, str]) -> str:  # type: ignore[no-untyped-def]
+def first_start(redis_client, key: str, a: Worker, b: Worker) -> tuple[int, Worker, Worker]:  # type: ignore[no-untyped-def]
+    """The pid of the job's first start (``started:<key>``), the worker running it and
+    the other one."""
+    pid = int(wait_for(lambda: redis_client.lindex(f"started:{key}", 0), timeout=20, what="start"))
+    return (pid, a, b) if pid in a.child_pids() else (pid, b, a)
+
+
+def sigterm_mid_job(start_worker, redis_client, env: dict[str, str]) -> str:  # type: ignore[no-untyped-def]
     """One round: worker A takes a long job and gets SIGTERM 2 s into it; worker B
     serves the same queue. What happened: one start or two, and the effect."""
     op = uuid.uuid4().hex[:8]
     Counter.objects.create(name=op)
-    a = start_worker(concurrency=1, extra_env=broker_env)
-    b = start_worker(concurrency=1, extra_env=broker_env)
+    a = start_worker(concurrency=1, extra_env=env)
+    b = start_worker(concurrency=1, extra_env=env)
     HoldsTheLine().apply_async(kwargs={"name": op, "op_id": op, "seconds": SECONDS}, queue=a.queue)
-    first = wait_for(lambda: redis_client.lindex(f"started:{op}", 0), timeout=20, what="a start")
-    runner = a if int(first) in a.child_pids() else b
-    other = b if runner is a else a
+    _pid, runner, other = first_start(redis_client, op, a, b)
     time.sleep(2)
     runner.process.send_signal(signal.SIGTERM)
     runner.process.wait(timeout=SECONDS + 30)
@@ -83,10 +90,7 @@ def stale_ack_then_holder_dies(start_worker, redis_client, env: dict[str, str], 
     a = start_worker(concurrency=1, extra_env=env, prefetch_multiplier=1)
     b = start_worker(concurrency=1, extra_env=env, prefetch_multiplier=1)
     ShipToAddress().apply_async(args=[order_id, tag], queue=a.queue)
-    first = int(
-        wait_for(lambda: redis_client.lindex(f"started:{tag}", 0), timeout=20, what="start")
-    )
-    stale, live = (a, b) if first in a.child_pids() else (b, a)
+    first, stale, live = first_start(redis_client, tag, a, b)
     os.kill(first, signal.SIGSTOP)
     redis_client.set(f"stopped:{tag}", 1, ex=120)
     try:
