@@ -99,6 +99,10 @@ def other_keys(
 
     An earlier template whose fields these arguments lack is not this job's name.
     """
+    current = declaration if isinstance(declaration, str) else ""
+    earlier = earlier_templates(task_name, current)
+    if (published is None or published == key) and not earlier:
+        return ()  # the common case: one name, and no switch to read
     if not settings.key_history:
         return ()
     names: list[str] = []
@@ -112,8 +116,7 @@ def other_keys(
             key,
             extra={"idempotency_key": key, "published_key": published},
         )
-    current = declaration if isinstance(declaration, str) else ""
-    for template in earlier_templates(task_name, current):
+    for template in earlier:
         try:
             rendered = idempotency.render_key(task_name, template, given)
         except BadInput:
