@@ -105,6 +105,13 @@ class Settings:
     #: delivery by its tag even when another worker holds that delivery now (kombu's
     #: own behaviour: a stale copy's ack drops the live copy's record).
     delivery_holder: Setting[bool] = Setting(True, _flag, env=True)
+    #: Seconds, the longest a job waits between two tries while the database cannot be
+    #: written (``celery_explicit.database_outage``; backoff from 1 s, equal jitter).
+    database_outage_backoff_cap: Setting[float] = Setting(30.0, float)
+    #: *environment* Off: a database outage is classified by the task's retry policy
+    #: like any other error (dead-lettered or retried within ``max_attempts``; a
+    #: negative-control switch).
+    database_outage: Setting[bool] = Setting(True, _flag, env=True)
     #: A worker refuses to start while ``manage.py check`` reports one of our errors
     #: (``django_outbox.E*``: a contract, the broker's backstop, pickle). True: it
     #: starts anyway and logs them as warnings (an escape hatch, not a default).

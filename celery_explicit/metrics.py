@@ -98,6 +98,13 @@ key_mismatches = Counter(
     "(the key template changed between publish and run): checked under both.",
     ["task"],
 )
+database_outage_deferrals = Counter(
+    "explicit_database_outage_deferrals_total",
+    "Jobs deferred because the database could not be written (execution layer), by "
+    "cause: connection, read_only, shutdown, starting, resources. Not counted as "
+    "retries, never dead-lettered for it.",
+    ["task", "cause"],
+)
 stale_acks_withheld = Counter(
     "explicit_stale_acks_withheld_total",
     "Acks, rejects and restores of a delivery another worker holds now (a stale copy "

@@ -26,6 +26,7 @@ class Outcome(models.TextChoices):
     DELIVERY_LIMIT = "delivery_limit", "not run: delivered more than max_deliveries times"
     MAX_RUN_TIME = "max_run_time", "stopped: ran longer than max_run_time"
     FENCED = "fenced", "refused: lost its lease to a newer execution (stale fencing token)"
+    DATABASE_UNAVAILABLE = "database_unavailable", "deferred: the database could not be written"
 
 
 class DeadLetterReason(models.TextChoices):

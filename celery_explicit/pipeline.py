@@ -3,6 +3,8 @@
 The steps run in this fixed order, each only where the task declares its mechanism
 (``celery_explicit.steps`` says what a step may answer):
 
+0. ``database``: while this process has seen the database unavailable, a job is
+   deferred unless it answers again (``database_outage``; every task, free otherwise);
 1. ``delivery_limit``: a message delivered too many times is dead-lettered, not run;
 2. ``dedup``: a message whose dedup id another message owns is dropped;
 3. ``ordering``: a job whose entity has an earlier job still to end is deferred;
@@ -23,7 +25,7 @@ import random
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from django.db import DatabaseError
@@ -31,6 +33,7 @@ from django.utils import timezone
 
 from celery_explicit import (
     correlation,
+    database_outage,
     idempotency,
     job_log,
     key_history,
@@ -40,6 +43,7 @@ from celery_explicit import (
     sensitive,
     tracing,
 )
+from celery_explicit.conf import settings
 from celery_explicit.contract import Contract
 from celery_explicit.dedup import DedupStep
 from celery_explicit.delivery_limit import DeliveryLimitStep
@@ -69,7 +73,10 @@ _rng = random.SystemRandom()
 def build_steps(contract: Contract) -> tuple[Step, ...]:
     """The declared steps of one task, in the order they run."""
     name = contract.task_name
-    steps: list[Step] = [DeliveryLimitStep(name, contract.max_deliveries)]
+    steps: list[Step] = [
+        database_outage.DatabaseStep(name),
+        DeliveryLimitStep(name, contract.max_deliveries),
+    ]
     if contract.dedup is not None:
         steps.append(DedupStep(name, contract.dedup.window))
     if contract.ordering is not None:
@@ -238,6 +245,11 @@ def _act(
         _dead_letter(task, args, kwargs, decision.error, execution, decision.name)
         raise decision.error
     assert isinstance(decision, RetryLater), decision
+    cause = _outage(decision.error)
+    if cause is not None:
+        # The step's store write failed for the database: wait for it, attempts kept.
+        delay = database_outage.seen(task.name, cause, job.request)
+        republish.defer(task, execution, args, kwargs, delay, by=database_outage.NAME)
     if decision.record:
         records.attempt(execution, job.request, Outcome.RETRY_SCHEDULED, exc=decision.error)
     raise republish.retry(task, decision.error, decision.delay) from decision.error
@@ -273,7 +285,10 @@ def _run_handler(
         records.attempt(execution, request, Outcome.FENCED, exc=exc)
         return None
     except Exception as exc:
-        state.transient_failure = task.contract.retry.classify(exc) is Classification.RETRY
+        cause = _outage(exc)
+        if cause is not None:
+            _defer_for_outage(task, job, args, kwargs, exc, cause)
+        state.transient_failure = _classify(task, exc) is Classification.RETRY
         _failed(task, job, args, kwargs, exc)
         raise
     if not execution.recorded:
@@ -289,8 +304,10 @@ def _failed(
     """The handler raised: retry it with backoff, or dead-letter it, by its class."""
     execution = job.execution
     policy = task.contract.retry
-    kind = policy.classify(exc)
-    if policy.should_retry(exc):
+    kind = _classify(task, exc)
+    if kind is Classification.RETRY or (
+        kind is Classification.UNCLASSIFIED and policy.should_retry(exc)
+    ):
         if execution.attempt < policy.max_attempts:
             delay = policy.delay(execution.attempt, exc, rng=_rng)
             metrics.retries_scheduled.labels(task.name, type(exc).__name__).inc()
@@ -305,6 +322,37 @@ def _failed(
     else:
         name = "FAILED_PERMANENT"
     _dead_letter(task, args, kwargs, exc, execution, name)
+
+
+def _outage(exc: BaseException) -> str | None:
+    """Why the database is unavailable, when ``exc`` says it is (and the switch is on)."""
+    return database_outage.cause_of(exc) if settings.database_outage else None
+
+
+def _classify(task: Any, exc: BaseException) -> Classification:
+    """The task's retry policy, except that an operational database error (a deadlock,
+    a serialization failure) is transient whatever the task declares."""
+    if settings.database_outage and database_outage.transient(exc):
+        return Classification.RETRY
+    return task.contract.retry.classify(exc)  # type: ignore[no-any-return]
+
+
+def _defer_for_outage(
+    task: Any,
+    job: Job,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    exc: BaseException,
+    cause: str,
+) -> NoReturn:
+    """The handler met a database it cannot write: not the job's fault. Deferred with
+    the outage's backoff, its attempts kept; recorded where the database lets us."""
+    execution = job.execution
+    delay = database_outage.seen(task.name, cause, job.request)
+    records.attempt(
+        execution, job.request, Outcome.DATABASE_UNAVAILABLE, exc=exc, retry_delay=delay
+    )
+    republish.defer(task, execution, args, kwargs, delay, by=database_outage.NAME)
 
 
 def _dead_letter(
@@ -332,9 +380,14 @@ def _dead_letter(
         )
     except DatabaseError as db_exc:
         # The dead letter is the only copy once the message is acked: keep the
-        # message instead, and try again later.
+        # message instead, and try again later, its attempts kept (the same job
+        # comes back to the same ending).
         logger.exception(
-            "could not record dead letter; retrying the message",
+            "could not record dead letter; deferring the message",
             extra={"task": task.name, "job_id": request.id, "idempotency_key": execution.key},
         )
-        raise republish.retry(task, db_exc, _rng.uniform(1.0, 10.0)) from db_exc
+        if not settings.database_outage:
+            raise republish.retry(task, db_exc, _rng.uniform(1.0, 10.0)) from db_exc
+        cause = database_outage.cause_of(db_exc) or "dead_letter_write"
+        delay = database_outage.seen(task.name, cause, request)
+        republish.defer(task, execution, args, kwargs, delay, by=database_outage.NAME)

@@ -182,6 +182,7 @@ _JOB_ENDED = frozenset(Outcome) - {
     Outcome.RETRY_SCHEDULED,
     Outcome.DEDUPLICATED,
     Outcome.FENCED,
+    Outcome.DATABASE_UNAVAILABLE,
 }
 
 #: Log level of an attempt's line by its outcome; the rest are WARNING.

@@ -26,6 +26,7 @@ def deferral_text(counts: dict[str, int]) -> str:
         "ordering": "waiting for its entity's turn",
         "execution_lease": "another execution held the job",
         "downstream": "the downstream was busy or open",
+        "database": "the database could not be written",
     }
     return ", ".join(f"{n}x {why.get(step, step)}" for step, n in sorted(counts.items()))
 
@@ -70,6 +71,11 @@ def verdict(
     elif ledger is None and attempts and attempts[-1].outcome == Outcome.RETRY_SCHEDULED:
         due = attempts[-1].next_attempt_at
         effect += f" yet: a retry is due at {stamp(due)}" if due else " yet: a retry is due"
+    elif ledger is None and attempts and attempts[-1].outcome == Outcome.DATABASE_UNAVAILABLE:
+        due = attempts[-1].next_attempt_at
+        effect += " yet: deferred while the database could not be written" + (
+            f", next try at {stamp(due)}" if due else ""
+        )
     causes = []
     if ledger is not None and open_letters:
         reasons = ", ".join(f"{n} {r}" for r, n in Counter(d.reason for d in open_letters).items())

@@ -15,16 +15,10 @@ applying twice).
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -34,8 +28,7 @@ from kombu import Connection
 from tests.chaos import history
 from tests.chaos.report import Row, scaled
 from tests.chaos.tasks_r8 import ChaosDbJob
-from tests.support.ports import free_port
-from tests.support.processes import ROOT, project_env
+from tests.support.private_postgres import PrivatePostgres
 from tests.support.waiting import wait_for
 
 pytestmark = [
@@ -50,58 +43,7 @@ JOBS = scaled(100, 1000)
 RESTARTS = scaled(2, 6)
 INTERVAL = (3.0, 6.0) if RESTARTS == 2 else (5.0, 40.0)  # seconds between restarts
 HOLD = 0.1  # each job runs this long before its effect: restarts land mid-transaction
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
 DB_NAME = "chaos_r8"
-
-
-class PrivatePostgres:
-    """A PostgreSQL cluster of the test's own. initdb refuses to run as root: as root,
-    every command runs as the ``postgres`` user (``runuser``), in a directory it owns.
-    Stopped and started by ``pg_ctl``, which signals the postmaster named in the
-    cluster's own pid file: no other server is touched."""
-
-    def __init__(self) -> None:
-        self.base = Path(tempfile.mkdtemp(prefix="chaos-r8-pg-"))
-        self.data = self.base / "data"
-        self.port = free_port()
-        self.dsn = f"host=127.0.0.1 port={self.port} user=postgres dbname={DB_NAME}"
-        if os.geteuid() == 0:
-            shutil.chown(self.base, "postgres", "postgres")
-
-    def _run(self, *command: str, timeout: float = 120.0) -> None:
-        prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        done = subprocess.run(
-            [*prefix, *command], capture_output=True, text=True, timeout=timeout, check=False
-        )
-        if done.returncode:
-            log = self.base / "server.log"
-            raise RuntimeError(
-                f"{command[0]} failed ({done.returncode}): {done.stdout}{done.stderr}"
-                f"{log.read_text() if log.exists() else ''}"
-            )
-
-    def init(self) -> None:
-        self._run(
-            str(PG_BIN / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
-            "--no-sync",
-        )  # fmt: skip
-
-    def start(self) -> None:
-        options = f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1"
-        self._run(
-            str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.base / "server.log"),
-            "-o", options, "-w", "-t", "120", "start",
-        )  # fmt: skip
-
-    def crash(self) -> None:
-        """Immediate stop: the postmaster and its backends quit at once, no checkpoint;
-        the next start replays the WAL as after a crash."""
-        self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
-
-    def destroy(self) -> None:
-        with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
-            self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
-        shutil.rmtree(self.base, ignore_errors=True)
 
 
 class PrivateConnection:
@@ -119,23 +61,11 @@ class PrivateConnection:
 
 @pytest.fixture
 def private_pg(monkeypatch: pytest.MonkeyPatch, queue: str) -> Iterator[PrivatePostgres]:
-    pg = PrivatePostgres()
+    pg = PrivatePostgres(DB_NAME, prefix="chaos-r8-pg-")
     try:
         pg.init()
         pg.start()
-        with psycopg.connect(
-            f"host=127.0.0.1 port={pg.port} user=postgres dbname=postgres", autocommit=True
-        ) as conn:
-            conn.execute(f"CREATE DATABASE {DB_NAME}")
-        # The project's tables, migrated the way a deployment would: the workers' own
-        # settings, pointed at this cluster.
-        subprocess.run(
-            [sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
-            cwd=ROOT,
-            env=project_env(db_name=DB_NAME, queue=queue, extra=pg_env(pg)),
-            check=True,
-            timeout=300,
-        )
+        pg.create_project_database(queue)
         monkeypatch.setattr(history, "connection", PrivateConnection(pg.dsn))
         history.ensure_tables()
         yield pg
@@ -143,16 +73,9 @@ def private_pg(monkeypatch: pytest.MonkeyPatch, queue: str) -> Iterator[PrivateP
         pg.destroy()
 
 
-def pg_env(pg: PrivatePostgres) -> dict[str, str]:
-    """What points a process of the test project at the private cluster
-    (tests/settings.py reads PGHOST / PGPORT / EXPLICIT_TEST_DB_NAME)."""
-    return {"PGHOST": "127.0.0.1", "PGPORT": str(pg.port), "EXPLICIT_TEST_DB_NAME": DB_NAME}
-
-
 def query(pg: PrivatePostgres, sql: str, params: list[Any]) -> int:
-    with psycopg.connect(pg.dsn, autocommit=True) as conn:
-        row = conn.execute(sql, params).fetchone()
-    return int(row[0]) if row else 0
+    rows = pg.query(sql, params)
+    return int(rows[0][0]) if rows else 0
 
 
 def orphans(pg: PrivatePostgres, run: str) -> tuple[int, int]:
@@ -194,7 +117,7 @@ def test_r8_postgres_restarts(start_worker, queue, run_id, private_pg) -> None:
     pg = private_pg
     started = time.monotonic()
     for _ in range(2):
-        start_worker(concurrency=2, extra_env=pg_env(pg))
+        start_worker(concurrency=2, extra_env=pg.env())
     rng = random.Random(run_id)
     gaps = [rng.uniform(*INTERVAL) for _ in range(RESTARTS)]
     # Jobs go out at a steady pace over the restarts (each takes the server away for a

@@ -39,6 +39,7 @@ import redis
 from tests.chaos import netns
 from tests.chaos.report import Row, scaled
 from tests.chaos.tasks_r9 import CLIENT, HOST_ENV, HostJob
+from tests.support.private_postgres import PG_BIN
 from tests.support.processes import ROOT, ManagedProcess, project_env
 from tests.support.waiting import wait_for
 
@@ -48,7 +49,6 @@ ROUNDS = scaled(3, 20)
 pytestmark = [pytest.mark.worker, pytest.mark.timeout(scaled(240, 1800))]
 
 HOSTS = ["a", "b"]
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
 DB_NAME = "r9"
 LEASE = HostJob.visibility_timeout
 #: The cut lasts at least this long: past the lease, whatever the takeover took.

@@ -618,3 +618,45 @@ class RenamedCapture(ExplicitTask):
 
 
 app.register_task(RenamedCapture())
+
+
+class BookStock(ExplicitTask):
+    """A job whose database may be away. It declares nothing about database errors
+    (an unclassified error is permanent; two attempts at most): only the outage
+    contract keeps it out of the dead letters with its attempts intact. Each start of
+    its handler is counted in Redis (the warehouse call a handler makes before its
+    effect). Its first ``read_only_first`` effects run in a read-only transaction: the
+    server's own SQLSTATE 25006."""
+
+    name = "tests.book_stock"
+    idempotency_key = "stock:{ref}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = (TransientError,)
+    fail_on = ()
+    max_attempts = 2
+
+    def run(
+        self, ref: str, read_only_first: int = 0, hold: float = 0.0, fail: bool = False
+    ) -> None:
+        from django.db import connection
+
+        from celery_explicit import redis_state
+
+        starts = int(redis_state.client().incr(f"test:starts:{ref}"))
+        time.sleep(hold)
+        if fail:
+            if starts <= read_only_first:
+                with connection.cursor() as cursor:
+                    cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+            raise LookupError(f"no stock for {ref}")
+        with self.effect() as eff:
+            if eff.done:
+                return
+            if starts <= read_only_first:
+                with connection.cursor() as cursor:
+                    cursor.execute("SET TRANSACTION READ ONLY")
+            Counter.objects.filter(name=ref).update(value=F("value") + 1)
+
+
+app.register_task(BookStock())

@@ -32,9 +32,9 @@ def define(**declarations: Any) -> type[ExplicitTask]:
     return type("ApplyEvent", (ExplicitTask,), body)
 
 
-def test_every_task_gets_the_delivery_limit_and_the_execution_lease() -> None:
+def test_every_task_gets_the_database_probe_the_delivery_limit_and_the_execution_lease() -> None:
     names = [step.name for step in define().job_steps]
-    assert names == ["delivery_limit", "execution_lease"]
+    assert names == ["database", "delivery_limit", "execution_lease"]
 
 
 def test_declared_mechanisms_join_the_path_in_the_fixed_order() -> None:
@@ -45,7 +45,14 @@ def test_declared_mechanisms_join_the_path_in_the_fixed_order() -> None:
         downstream=Downstream("warehouse-shape", concurrency=2),
     )
     names = [step.name for step in task.job_steps]
-    assert names == ["delivery_limit", "dedup", "ordering", "execution_lease", "downstream"]
+    assert names == [
+        "database",
+        "delivery_limit",
+        "dedup",
+        "ordering",
+        "execution_lease",
+        "downstream",
+    ]
 
 
 def test_without_a_registered_store_the_job_path_says_what_to_install(
