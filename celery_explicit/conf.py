@@ -112,6 +112,10 @@ class Settings:
     #: like any other error (dead-lettered or retried within ``max_attempts``; a
     #: negative-control switch).
     database_outage: Setting[bool] = Setting(True, _flag, env=True)
+    #: *environment* Off (Redis broker): kombu's sweep compares the message leases'
+    #: scores with the sweeping host's own clock, not the Redis server's (kombu's own
+    #: behaviour; a negative-control switch).
+    server_clock: Setting[bool] = Setting(True, _flag, env=True)
     #: A worker refuses to start while ``manage.py check`` reports one of our errors
     #: (``django_outbox.E*``: a contract, the broker's backstop, pickle). True: it
     #: starts anyway and logs them as warnings (an escape hatch, not a default).

@@ -20,13 +20,12 @@ from __future__ import annotations
 import enum
 import math
 import random
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from celery_explicit import job_log, metrics, redis_state
 from celery_explicit.execution import Execution
-from celery_explicit.redis_scripts import Script, call, tagged
+from celery_explicit.redis_scripts import SERVER_NOW_MS, Script, call, server_time, tagged
 from celery_explicit.redis_state import text
 from celery_explicit.steps import RUN, Decision, Defer, Ending, Job
 
@@ -86,53 +85,55 @@ class Downstream:
 
 # KEYS[1] - the breaker hash
 # KEYS[2] - the slots sorted set (member: task id, score: slot expiry in ms)
-# ARGV[1] - now in milliseconds
-# ARGV[2] - cool-down in milliseconds
-# ARGV[3] - concurrency limit
-# ARGV[4] - task id asking to enter
-# ARGV[5] - slot lease in milliseconds
+# ARGV[1] - cool-down in milliseconds
+# ARGV[2] - concurrency limit
+# ARGV[3] - task id asking to enter
+# ARGV[4] - slot lease in milliseconds
 # return {verdict, state}: verdict 'admitted' or 'open' / 'probing' / 'busy' (deferred)
+# Every time here is the server's (``opened_ms``, the slots' expiries): the worker that
+# opened the breaker or took a slot and the one comparing may disagree on the time.
 ENTER = Script(
     "downstream_enter",
-    """
-local now = tonumber(ARGV[1])
+    SERVER_NOW_MS
+    + """
+local now = now_ms
 local state = redis.call('hget', KEYS[1], 'state') or 'closed'
 if state == 'open' then
     local opened = tonumber(redis.call('hget', KEYS[1], 'opened_ms') or '0')
-    if now < opened + tonumber(ARGV[2]) then
+    if now < opened + tonumber(ARGV[1]) then
         return {'open', state}
     end
     state = 'half_open'
-    redis.call('hset', KEYS[1], 'state', state, 'probe', ARGV[4])
-elseif state == 'half_open' and redis.call('hget', KEYS[1], 'probe') ~= ARGV[4] then
+    redis.call('hset', KEYS[1], 'state', state, 'probe', ARGV[3])
+elseif state == 'half_open' and redis.call('hget', KEYS[1], 'probe') ~= ARGV[3] then
     return {'probing', state}
 end
 redis.call('zremrangebyscore', KEYS[2], '-inf', now)
-if redis.call('zscore', KEYS[2], ARGV[4]) == false
-        and redis.call('zcard', KEYS[2]) >= tonumber(ARGV[3]) then
+if redis.call('zscore', KEYS[2], ARGV[3]) == false
+        and redis.call('zcard', KEYS[2]) >= tonumber(ARGV[2]) then
     return {'busy', state}
 end
-redis.call('zadd', KEYS[2], now + tonumber(ARGV[5]), ARGV[4])
+redis.call('zadd', KEYS[2], now + tonumber(ARGV[4]), ARGV[3])
 return {'admitted', state}
 """,
 )
 
 # KEYS[1] - the breaker hash
 # KEYS[2] - the slots sorted set
-# ARGV[1] - now in milliseconds
-# ARGV[2] - task id leaving
-# ARGV[3] - 1 if the downstream failed transiently, 0 if it answered
-# ARGV[4] - failure threshold
+# ARGV[1] - task id leaving
+# ARGV[2] - 1 if the downstream failed transiently, 0 if it answered
+# ARGV[3] - failure threshold
 # return the breaker state after this execution
 LEAVE = Script(
     "downstream_leave",
-    """
-redis.call('zrem', KEYS[2], ARGV[2])
+    SERVER_NOW_MS
+    + """
+redis.call('zrem', KEYS[2], ARGV[1])
 local state = redis.call('hget', KEYS[1], 'state') or 'closed'
-if ARGV[3] == '1' then
+if ARGV[2] == '1' then
     local failures = redis.call('hincrby', KEYS[1], 'failures', 1)
-    if state == 'half_open' or failures >= tonumber(ARGV[4]) then
-        redis.call('hset', KEYS[1], 'state', 'open', 'opened_ms', ARGV[1])
+    if state == 'half_open' or failures >= tonumber(ARGV[3]) then
+        redis.call('hset', KEYS[1], 'state', 'open', 'opened_ms', now_ms)
         redis.call('hdel', KEYS[1], 'probe')
         return 'open'
     end
@@ -163,7 +164,6 @@ def enter(
     expires after ``slot_ttl`` seconds, so a dead worker cannot keep it."""
     conn = redis_client or redis_state.client()
     args = [
-        int(time.time() * 1000),
         int(downstream.cool_down * 1000),
         downstream.concurrency,
         task_id,
@@ -183,7 +183,7 @@ def leave(
 ) -> BreakerState:
     """Free the slot and feed the breaker; return its state after this execution."""
     conn = redis_client or redis_state.client()
-    args = [int(time.time() * 1000), task_id, 1 if failed else 0, downstream.failure_threshold]
+    args = [task_id, 1 if failed else 0, downstream.failure_threshold]
     return BreakerState(text(call(conn, LEAVE, keys(downstream.name, prefix=prefix), args)))
 
 
@@ -204,7 +204,8 @@ def slots_in_use(
 ) -> int:
     """Executions holding a slot of the concurrency limit right now."""
     conn = redis_client or redis_state.client()
-    return int(conn.zcount(keys(downstream.name, prefix=prefix)[1], time.time() * 1000, "+inf"))
+    now_ms = server_time(conn) * 1000  # the slots' expiries are the server's
+    return int(conn.zcount(keys(downstream.name, prefix=prefix)[1], now_ms, "+inf"))
 
 
 class DownstreamStep:

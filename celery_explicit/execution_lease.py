@@ -39,7 +39,6 @@ import enum
 import os
 import random
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +47,14 @@ from django.db import Error as DatabaseError
 from celery_explicit import job_log, metrics, redis_state, store
 from celery_explicit.conf import settings
 from celery_explicit.execution import Execution, delivery
-from celery_explicit.redis_scripts import Script, call, call_many, tagged
+from celery_explicit.redis_scripts import (
+    SERVER_NOW_MS,
+    Script,
+    call,
+    call_many,
+    server_time,
+    tagged,
+)
 from celery_explicit.redis_state import text
 from celery_explicit.steps import RUN, Decision, Defer, Ending, Job, RetryLater
 
@@ -61,29 +67,30 @@ _rng = random.SystemRandom()
 
 # KEYS[1] - the lease          KEYS[2] - the "not released" marker
 # KEYS[3] - the job's fence counter
-# ARGV[1] - ttl ms   ARGV[2] - owner (host:pid)   ARGV[3] - now ms
-# ARGV[4] - marker and counter ttl seconds
-# ARGV[5] - the value to take over from ("" unless the caller saw its holder dead)
+# ARGV[1] - ttl ms   ARGV[2] - owner (host:pid)
+# ARGV[3] - marker and counter ttl seconds
+# ARGV[4] - the value to take over from ("" unless the caller saw its holder dead)
+# The value records when it was taken, on the server's clock (an operator's "age").
 # return {fence, previous holder's value or ""} when taken,
 #        {0, holder's value, remaining ms} when held by another
 ACQUIRE = Script(
     "execution_lease_acquire",
-    """
+    SERVER_NOW_MS
+    + """
 local holder = redis.call('get', KEYS[1])
-if holder and holder ~= ARGV[5] then
+if holder and holder ~= ARGV[4] then
     return {0, holder, redis.call('pttl', KEYS[1])}
 end
 local previous = holder or redis.call('get', KEYS[2]) or ''
 if redis.call('exists', KEYS[3]) == 0 then
-    local now = redis.call('time')
-    redis.call('set', KEYS[3], now[1] .. string.format('%06d', tonumber(now[2])))
+    redis.call('set', KEYS[3], server_time[1] .. string.format('%06d', tonumber(server_time[2])))
 end
 local fence = redis.call('incr', KEYS[3])
-redis.call('expire', KEYS[3], ARGV[4])
+redis.call('expire', KEYS[3], ARGV[3])
 -- '%.0f': Lua would write a number this large as 1.7e+15.
-local value = string.format('%.0f', fence) .. '|' .. ARGV[2] .. '|' .. ARGV[3]
+local value = string.format('%.0f', fence) .. '|' .. ARGV[2] .. '|' .. string.format('%.0f', now_ms)
 redis.call('set', KEYS[1], value, 'PX', ARGV[1])
-redis.call('set', KEYS[2], value, 'EX', ARGV[4])
+redis.call('set', KEYS[2], value, 'EX', ARGV[3])
 return {fence, previous}
 """,
 )
@@ -205,8 +212,7 @@ def acquire(task_id: str, *, ttl: float, client: Any | None = None) -> Taken | H
     head = redis_state.prefix()
     keys = [lease_key(task_id, prefix=head), marker_key(task_id, prefix=head)]
     keys.append(fence_key(task_id, prefix=head))
-    me, now_ms = owner(), _now_ms()
-    args: list[Any] = [max(1, int(ttl * 1000)), me, now_ms, HELD_MARKER_TTL, ""]
+    args: list[Any] = [max(1, int(ttl * 1000)), owner(), HELD_MARKER_TTL, ""]
     reply = call(conn, ACQUIRE, keys, args)
     if int(reply[0]) == 0:
         value = text(reply[1])
@@ -215,7 +221,7 @@ def acquire(task_id: str, *, ttl: float, client: Any | None = None) -> Taken | H
             return Held(holder=holder, retry_in=max(0.0, int(reply[2]) / 1000.0))
         # Its process is gone (a killed pool child): take over now, but only from that
         # exact value, so two executions racing for it cannot both win.
-        args[4] = value
+        args[3] = value
         reply = call(conn, ACQUIRE, keys, args)
         if int(reply[0]) == 0:
             holder = _parse(text(reply[1]))[1]
@@ -261,10 +267,6 @@ def extensions(leases: list[tuple[str, str, float]]) -> list[tuple[Script, list[
     ]
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 @dataclass(frozen=True)
 class LiveExecution:
     """A running job's execution lease as an operator sees it (``explicit_leases``)."""
@@ -278,7 +280,7 @@ class LiveExecution:
 
 def live_executions(client: Any, *, prefix: str | None = None) -> list[LiveExecution]:
     """Every execution lease in Redis, soonest to expire first."""
-    now_ms = _now_ms()
+    now_ms = server_time(client) * 1000  # the leases record the server's clock
     found = []
     head = f"{prefix or redis_state.prefix()}run:"
     for task_id, value, ttl_ms, _ in redis_state.live_strings(client, head):

@@ -31,6 +31,10 @@ process does that every ``T / 4`` for each message it holds, with ``T`` the task
   heartbeat with it, before the pool has drained: a thread of the main process then
   keeps extending what still runs and gives back at once what never started
   (``LeaseKeeper._start_drain``);
+- every time is the Redis server's (``TIME`` inside the scripts that write a score,
+  and in the sweep that compares them, ``sweep_by_server_clock``): the host that
+  leases a message and the one that sweeps may disagree on the time by more than a
+  lease, the server cannot disagree with itself;
 - a message a sweep restored keeps its delivery tag, and kombu acks by tag: beside
   ``unacked`` a hash names the worker that holds each delivery now, and the ack,
   requeue and shutdown restore of any other worker (a stale copy) leave its record
@@ -67,7 +71,7 @@ from celery import bootsteps
 from celery_explicit import execution_lease, job_log, metrics, ordering, redis_state
 from celery_explicit.conf import settings
 from celery_explicit.contract import Contract
-from celery_explicit.redis_scripts import Script, call, call_many
+from celery_explicit.redis_scripts import SERVER_NOW_MS, Script, call, call_many, server_time
 from celery_explicit.redis_state import text
 
 logger = job_log.get_logger("celery_explicit.lease")
@@ -83,18 +87,20 @@ FIRST_LEASE_INTERVAL = 0.1
 # KEYS[2] - the lease record (hash)
 # KEYS[3] - the delivery holders (hash: delivery tag -> the worker holding it)
 # ARGV[1] - delivery tag
-# ARGV[2] - new score: deadline - global visibility timeout (seconds, float)
-# ARGV[3] - lease length in milliseconds (the record's TTL)
+# ARGV[2] - lease length in milliseconds (the record's TTL)
+# ARGV[3] - the global visibility timeout in milliseconds (the backstop)
 # ARGV[4] - owner (host:pid of the pool child, or of the worker before it starts)
-# ARGV[5] - deadline in milliseconds since the epoch
-# ARGV[6] - this worker's holder id (``holder_id()``)
+# ARGV[5] - this worker's holder id (``holder_id()``)
+# The deadline is the server's clock plus the lease, and the score that deadline less
+# the backstop: the sweep that compares it (``_restore_visible``) reads the same clock.
 # return 1 if the message is still unacknowledged, held by this worker, and its lease
 # was moved, otherwise 0 (the record is deleted only if it is this delivery's: a retry
 # or a deferral of the same job is a newer delivery with the same task id, and keeps
 # its own; a delivery another worker took over keeps its lease and its record)
 EXTEND = Script(
     "message_lease_extend_held",
-    """
+    SERVER_NOW_MS
+    + """
 if not redis.call('zscore', KEYS[1], ARGV[1]) then
     if redis.call('hget', KEYS[2], 'tag') == ARGV[1] then
         redis.call('del', KEYS[2])
@@ -102,13 +108,36 @@ if not redis.call('zscore', KEYS[1], ARGV[1]) then
     return 0
 end
 local holder = redis.call('hget', KEYS[3], ARGV[1])
-if holder and holder ~= ARGV[6] then
+if holder and holder ~= ARGV[5] then
     return 0
 end
-redis.call('zadd', KEYS[1], 'XX', ARGV[2], ARGV[1])
-redis.call('hset', KEYS[2], 'owner', ARGV[4], 'deadline_ms', ARGV[5], 'tag', ARGV[1])
+local deadline_ms = now_ms + tonumber(ARGV[2])
+redis.call('zadd', KEYS[1], 'XX', (deadline_ms - tonumber(ARGV[3])) / 1000, ARGV[1])
+redis.call('hset', KEYS[2], 'owner', ARGV[4], 'deadline_ms', string.format('%.0f', deadline_ms),
+    'tag', ARGV[1])
 redis.call('hincrby', KEYS[2], 'extensions', 1)
-redis.call('pexpire', KEYS[2], ARGV[3])
+redis.call('pexpire', KEYS[2], ARGV[2])
+return 1
+""",
+)
+
+# KEYS[1] - kombu's unacked_index   KEYS[2] - kombu's unacked hash
+# KEYS[3] - the delivery holders
+# ARGV[1] - delivery tag            ARGV[2] - the message as kombu records it
+# ARGV[3] - its lease in ms (the backstop's, for a message without a lease of its own:
+#           scored at its delivery time, as kombu scores it)
+# ARGV[4] - the global visibility timeout in ms   ARGV[5] - holder id, or "" for none
+# return 1. kombu's ``QoS.append`` writes the same two entries in one MULTI, scored
+# with the worker's clock; here the score is the server's, as every sweep reads it.
+ON_DELIVERY = Script(
+    "message_lease_on_delivery",
+    SERVER_NOW_MS
+    + """
+redis.call('zadd', KEYS[1], (now_ms + tonumber(ARGV[3]) - tonumber(ARGV[4])) / 1000, ARGV[1])
+redis.call('hset', KEYS[2], ARGV[1], ARGV[2])
+if ARGV[5] ~= '' then
+    redis.call('hset', KEYS[3], ARGV[1], ARGV[5])
+end
 return 1
 """,
 )
@@ -255,22 +284,85 @@ def _append_with_lease(qos: Any, message: Any, delivery_tag: str) -> None:
     headers = message.headers
     name = headers.get("task") if isinstance(headers, dict) else None
     lease = qos.explicit_leases.get(name) if isinstance(name, str) else None
-    if lease is None:
+    backstop = float(qos.visibility_timeout)
+    if lease is None and not settings.server_clock:
         type(qos).append(qos, message, delivery_tag)
         return
     delivery = message.delivery_info
-    score = time.time() + lease - float(qos.visibility_timeout)
     raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
-    with qos.pipe_or_acquire() as pipe:
-        pipe.zadd(qos.unacked_index_key, {delivery_tag: score})
-        pipe.hset(qos.unacked_key, delivery_tag, raw)
-        if qos.explicit_holder:
-            # Which worker holds this delivery now: a copy restored by a sweep keeps
-            # its tag, so the tag alone cannot tell the live copy from a stale one.
-            pipe.hset(holders_key(qos.unacked_key), delivery_tag, qos.explicit_holder)
-        pipe.execute()
+    channel = qos.channel
+    unacked = str(getattr(channel, "global_keyprefix", "") or "") + str(qos.unacked_key)
+    # The holder: which worker holds this delivery now. A copy restored by a sweep keeps
+    # its tag, so the tag alone cannot tell the live copy from a stale one.
+    call(
+        broker_client(channel),
+        ON_DELIVERY,
+        [unacked_index_key(channel), unacked, holders_key_of(channel)],
+        [
+            delivery_tag,
+            raw,
+            int((backstop if lease is None else lease) * 1000),
+            int(backstop * 1000),
+            qos.explicit_holder,
+        ],
+    )
     # What kombu's method does next: the in-memory record of the delivery.
     super(kombu_redis.QoS, qos).append(message, delivery_tag)
+
+
+_kombu_restore_visible: Any = None
+
+
+def sweep_by_server_clock() -> None:
+    """Make kombu's sweep (``QoS.restore_visible``) of every channel in this worker
+    compare the scores with the Redis server's clock.
+
+    kombu's sweep puts back every message scored below ``time() - visibility_timeout``
+    with the sweeping host's clock, and the scores were written by other hosts: a
+    sweeper whose clock runs ahead by more than a lease restores live jobs, one behind
+    leaves dead workers' jobs waiting. Replaced on the class at ``worker_init``, not on
+    the consumer's channel when its step starts: kombu sweeps once through whichever
+    channel comes first as the consumer connects, before any consumer step runs (seen:
+    a worker 40 s ahead took a live job at start). ``EXPLICIT_SERVER_CLOCK=0`` calls
+    kombu's own.
+    """
+    from kombu.transport import redis as kombu_redis
+
+    global _kombu_restore_visible
+    if _kombu_restore_visible is None:
+        _kombu_restore_visible = kombu_redis.QoS.restore_visible
+        kombu_redis.QoS.restore_visible = _restore_visible  # type: ignore[method-assign,assignment]
+
+
+def on_worker_init(sender: Any = None, **_: Any) -> None:
+    """``worker_init``: the sweep reads the server's clock from the worker's first one
+    (kombu sweeps as the consumer connects, before any consumer step starts)."""
+    sweep_by_server_clock()
+
+
+def _restore_visible(qos: Any, start: int = 0, num: int = 10, interval: int = 10) -> None:
+    """``QoS.restore_visible`` with the server's clock: the same throttle (a scan every
+    ``interval`` calls), the same mutex, the same restore by tag."""
+    from kombu.transport.redis import Mutex, MutexHeld
+
+    if not settings.server_clock:
+        _kombu_restore_visible(qos, start, num, interval)
+        return
+    qos._vrestore_count += 1
+    if (qos._vrestore_count - 1) % (interval or 1):
+        return
+    with qos.channel.conn_or_acquire() as client:
+        ceiling = server_time(client) - float(qos.visibility_timeout)
+        page = {"offset": start, "num": num} if num else {}
+        try:
+            with Mutex(client, qos.unacked_mutex_key, qos.unacked_mutex_expire):
+                due = client.zrange(
+                    qos.unacked_index_key, ceiling, 0, desc=True, byscore=True, **page
+                )
+                for tag in due or []:
+                    qos.restore_by_tag(tag, client)
+        except MutexHeld:
+            pass
 
 
 def _held_elsewhere(qos: Any, delivery_tag: str) -> bool:
@@ -549,7 +641,6 @@ class LeaseKeeper(bootsteps.StartStopStep):
     def _extend_all(self, channel: Any, client: Any, held: list[Any]) -> None:
         """Move the lease of each message in ``held``: one round trip for all of them."""
         backstop = float(channel.visibility_timeout)
-        now = time.time()
         extend = settings.lease_extend
         index, holders, me = unacked_index_key(channel), holders_key_of(channel), holder_id()
         calls: list[tuple[Any, str, list[Any], list[Any]]] = []
@@ -572,7 +663,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 # score (its delivery time), so it would wait out the global timeout.
                 # Give it its own lease once; it runs out T from now.
             keys, args = extend_arguments(
-                request, contract, index, holders, backstop, now, self._host, me
+                request, contract, index, holders, backstop, self._host, me
             )
             calls.append((task, tag, keys, args))
         if not calls:
@@ -592,21 +683,17 @@ def extend_arguments(
     index: str,
     holders: str,
     backstop: float,
-    now: float,
     host: str,
     me: str,
 ) -> tuple[list[Any], list[Any]]:
-    """``EXTEND``'s keys and arguments for ``request``'s message: its deadline ``now``
-    plus the task's lease, scored against the broker's ``backstop``."""
-    lease = contract.visibility_timeout
-    deadline = now + lease
+    """``EXTEND``'s keys and arguments for ``request``'s message: its deadline the
+    server's now plus the task's lease, scored against the broker's ``backstop``."""
     keys = [index, record_key(request.id), holders]
     args = [
         request.message.delivery_tag,
-        deadline - backstop,
-        int(lease * 1000),
+        int(contract.visibility_timeout * 1000),
+        int(backstop * 1000),
         f"{host}:{request.worker_pid or os.getpid()}",
-        int(deadline * 1000),
         me,
     ]
     return keys, args
@@ -635,14 +722,14 @@ class _DrainBroker:
 
     def extend(self, running: list[Any], host: str) -> None:
         """Move the lease of each running job's message (one round trip)."""
-        now, me = time.time(), holder_id()
+        me = holder_id()
         calls = []
         for request in running:
             contract = contract_of(request.task)
             if contract is None or child_is_stopped(request.worker_pid):
                 continue  # a stopped child's lease runs out, as in the heartbeat
             keys, args = extend_arguments(
-                request, contract, self.index, self.holders, self.backstop, now, host, me
+                request, contract, self.index, self.holders, self.backstop, host, me
             )
             calls.append((EXTEND, keys, args))
         if calls:
@@ -686,8 +773,9 @@ def live_leases(client: Any, *, prefix: str | None = None) -> list[LiveLease]:
         key = text(raw_key)
         info = {text(k): text(v) for k, v in client.hgetall(key).items()}
         # The clock is read after the record: a heartbeat landing between a clock read
-        # first and the record would show more time left than the lease's length.
-        now_ms = time.time() * 1000
+        # first and the record would show more time left than the lease's length. The
+        # server's clock: the deadline was written in it.
+        now_ms = server_time(client) * 1000
         if not info:
             continue  # acked or expired between SCAN and now
         found.append(

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -37,7 +36,7 @@ from typing import Any
 
 from celery_explicit import declarations, idempotency, job_log, metrics, redis_state
 from celery_explicit.execution import Execution
-from celery_explicit.redis_scripts import Script, call, tagged
+from celery_explicit.redis_scripts import SERVER_NOW_MS, Script, call, tagged
 from celery_explicit.steps import RUN, Decision, Defer, Ending, Job
 
 logger = job_log.get_logger("celery_explicit.ordering")
@@ -95,25 +94,28 @@ return seq
 """,
 )
 
-# KEYS[1] - next   KEYS[2] - skipped set   KEYS[3] - waiting since (ms)
+# KEYS[1] - next   KEYS[2] - skipped set   KEYS[3] - waiting since (ms, server clock)
 # KEYS[4] - alive: the task id of the job holding the turn, while it runs
-# ARGV[1] - this job's number   ARGV[2] - now (ms)   ARGV[3] - gap (ms)   ARGV[4] - ttl (s)
-# ARGV[5] - this job's task id  ARGV[6] - its lease (ms): how long "alive" lasts unless
+# ARGV[1] - this job's number   ARGV[2] - gap (ms)   ARGV[3] - ttl (s)
+# ARGV[4] - this job's task id  ARGV[5] - its lease (ms): how long "alive" lasts unless
 #           the worker extends it
 # return {verdict, whose turn it is}: 1 run (its turn, or already passed), 0 wait,
 # 2 run after skipping the missing ones
+# The waiting-since time is the server's: the worker that starts the gap clock and the
+# one that finds it run out may be on hosts whose clocks disagree.
 TURN = Script(
     "ordering_turn",
-    """
+    SERVER_NOW_MS
+    + """
 local nxt = tonumber(redis.call('get', KEYS[1]) or '1')
 while redis.call('srem', KEYS[2], nxt) == 1 do
     nxt = nxt + 1
 end
-redis.call('set', KEYS[1], nxt, 'EX', ARGV[4])
+redis.call('set', KEYS[1], nxt, 'EX', ARGV[3])
 local seq = tonumber(ARGV[1])
 if seq == nxt then
     redis.call('del', KEYS[3])
-    redis.call('set', KEYS[4], ARGV[5], 'PX', ARGV[6])
+    redis.call('set', KEYS[4], ARGV[4], 'PX', ARGV[5])
     return {1, nxt}
 end
 if seq < nxt then
@@ -127,13 +129,13 @@ if redis.call('exists', KEYS[4]) == 1 then
 end
 local since = tonumber(redis.call('get', KEYS[3]) or '0')
 if since == 0 then
-    redis.call('set', KEYS[3], ARGV[2], 'EX', ARGV[4])
+    redis.call('set', KEYS[3], now_ms, 'EX', ARGV[3])
     return {0, nxt}
 end
-if tonumber(ARGV[2]) - since > tonumber(ARGV[3]) then
-    redis.call('set', KEYS[1], seq, 'EX', ARGV[4])
+if now_ms - since > tonumber(ARGV[2]) then
+    redis.call('set', KEYS[1], seq, 'EX', ARGV[3])
     redis.call('del', KEYS[3])
-    redis.call('set', KEYS[4], ARGV[5], 'PX', ARGV[6])
+    redis.call('set', KEYS[4], ARGV[4], 'PX', ARGV[5])
     return {2, nxt}
 end
 return {0, nxt}
@@ -275,8 +277,8 @@ def turn(
     conn = client or redis_state.client()
     names = _keys(key)
     keys = [names["next"], names["skipped"], names["waiting"], names["alive"]]
-    now_ms, gap_ms, lease_ms = int(time.time() * 1000), int(gap * 1000), int(lease * 1000)
-    args = [seq, now_ms, gap_ms, STATE_TTL, task_id, max(1, lease_ms)]
+    gap_ms, lease_ms = int(gap * 1000), int(lease * 1000)
+    args = [seq, gap_ms, STATE_TTL, task_id, max(1, lease_ms)]
     verdict, nxt = call(conn, TURN, keys, args)
     return Turn(run=int(verdict) != 0, next_seq=int(nxt), skipped_ahead=int(verdict) == 2)
 

@@ -45,6 +45,21 @@ _NO_FUNCTIONS = ("unknown command", "unknown subcommand")
 _LIBRARY_PREFIX = "celery_explicit"
 
 
+#: Lua that sets ``now_ms``: the server's clock, in milliseconds. A script that compares
+#: a time with one another host wrote (an ordering gap, a breaker's cool-down, a
+#: message's lease) reads this clock on both sides: two hosts' clocks may disagree by
+#: more than the interval compared, one server's cannot.
+SERVER_NOW_MS = """local server_time = redis.call('time')
+local now_ms = tonumber(server_time[1]) * 1000 + math.floor(tonumber(server_time[2]) / 1000)
+"""
+
+
+def server_time(conn: Any) -> float:
+    """The Redis server's clock (seconds): what our scripts' times are written in."""
+    seconds, micros = conn.time()
+    return float(seconds) + float(micros) / 1e6
+
+
 class Script:
     """One Lua script (using ``KEYS`` and ``ARGV``), registered under ``name``."""
 

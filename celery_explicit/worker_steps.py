@@ -35,7 +35,7 @@ from celery.exceptions import InvalidTaskError
 
 from celery_explicit import job_log, key_history, redis_state, store, versions, worker_metrics
 from celery_explicit.conf import settings
-from celery_explicit.lease import LeaseKeeper
+from celery_explicit.lease import LeaseKeeper, on_worker_init
 from celery_explicit.request import MAX_NESTING, nested_deeper_than
 
 logger = job_log.get_logger("celery_explicit.worker_steps")
@@ -146,6 +146,8 @@ def install(app: Any) -> None:
     # Versions first: on an untested Celery the checks themselves may not be trustworthy.
     signals.worker_init.connect(refuse_untested_versions, dispatch_uid=__name__ + ".versions")
     signals.worker_init.connect(refuse_on_check_errors, dispatch_uid=__name__ + ".checks")
+    # Before the consumer connects: kombu sweeps once as its event loop registers.
+    signals.worker_init.connect(on_worker_init, dispatch_uid=__name__ + ".clock")
     # EXPLICIT_WORKER_METRICS_PORT: the pool's metrics, served by the main process.
     signals.worker_init.connect(worker_metrics.on_worker_init, dispatch_uid=__name__ + ".m")
     signals.worker_ready.connect(worker_metrics.on_worker_ready, dispatch_uid=__name__ + ".m")

@@ -1,6 +1,14 @@
 import os
+import time
 
 from celery import Celery
+
+# A worker whose host clock is off by EXPLICIT_TEST_CLOCK_SKEW seconds: every
+# time.time() of the process, kombu's included (its Redis transport imports time()
+# when it loads, after this module).
+if _skew := float(os.environ.get("EXPLICIT_TEST_CLOCK_SKEW", "0")):
+    _host_time = time.time
+    time.time = lambda: _host_time() + _skew  # type: ignore[assignment]
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 

@@ -22,6 +22,7 @@ from django.conf import settings
 from kombu import Connection, Queue
 
 from celery_explicit.lease import lease_on_delivery
+from celery_explicit.redis_scripts import server_time
 
 BACKSTOP = 60.0
 LEASED = "tests.leased"  # a task name given a lease below
@@ -67,11 +68,13 @@ def test_a_leased_task_s_message_is_scored_with_its_deadline_at_delivery(
     channel, redis_client
 ) -> None:
     lease_on_delivery(channel.channel.qos, {LEASED: LEASE})
-    before = time.time()
+    before = server_time(redis_client)
     message = deliver(channel, LEASED)
     score = redis_client.zscore(channel.index, message.delivery_tag)
-    # deadline - backstop: kombu's sweep puts it back LEASE from now, not BACKSTOP.
-    assert before + LEASE - BACKSTOP <= score <= time.time() + LEASE - BACKSTOP
+    # deadline - backstop, on the server's clock (to the millisecond): the sweep puts
+    # it back LEASE from now, not BACKSTOP.
+    after = server_time(redis_client)
+    assert before + LEASE - BACKSTOP - 0.001 <= score <= after + LEASE - BACKSTOP + 0.001
     # The unacked entry is what kombu's own method writes: [payload, exchange, key].
     payload, exchange, routing_key = json.loads(
         redis_client.hget(channel.unacked, message.delivery_tag)

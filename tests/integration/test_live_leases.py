@@ -7,13 +7,13 @@ length: an operator who sees "2.3 s left" on a 2 s lease would rightly distrust 
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
 import redis
 
 from celery_explicit.lease import live_leases
+from celery_explicit.redis_scripts import server_time
 
 LEASE_MS = 2000
 
@@ -28,8 +28,12 @@ class HeartbeatDuringRead:
     def scan_iter(self, *args: Any, **kwargs: Any) -> Any:
         return self.client.scan_iter(*args, **kwargs)
 
+    def time(self) -> Any:
+        return self.client.time()
+
     def hgetall(self, key: str) -> Any:
-        self.client.hset(key, "deadline_ms", int(time.time() * 1000) + LEASE_MS)
+        # The server's clock, as the lease script writes the deadline.
+        self.client.hset(key, "deadline_ms", int(server_time(self.client) * 1000) + LEASE_MS)
         self.client.hincrby(key, "extensions", 1)
         return self.client.hgetall(key)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import redis
@@ -10,6 +9,7 @@ from django.core.management.base import BaseCommand
 from django.utils.module_loading import autodiscover_modules
 
 from celery_explicit import downstream as downstream_mod
+from celery_explicit.redis_scripts import server_time
 from celery_explicit.task import ExplicitTask
 from django_outbox.conf import settings
 
@@ -33,7 +33,7 @@ class Command(BaseCommand):
             self.stdout.write("no downstream declared")
             return
         client = redis.Redis.from_url(settings.redis_url)
-        now_ms = time.time() * 1000
+        now_ms = server_time(client) * 1000  # opened_ms is the server's clock
         self.stdout.write(
             f"{'downstream':<24} {'state':<10} {'failures':>8} {'open for':>9} {'slots':>9}"
         )
