@@ -67,7 +67,7 @@ def chaos_job_unguarded(
 app.register_task(ChaosJob())
 # The scenarios' own tasks (helpers add theirs here), registered with the same app:
 # the worker imports this module through tests/testapp/tasks.py.
-from tests.chaos import tasks_r7, tasks_r8  # noqa: E402, F401
+from tests.chaos import tasks_r7, tasks_r8, tasks_r11  # noqa: E402, F401
 
 
 class ChaosJobUnlimited(ChaosJob):

@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-ROUNDS = 3
+ROUNDS = 2
 SECONDS = 14.0  # the job outlasts its 10 s lease: only the heartbeat keeps it
 SKEW = "40"  # more than the lease, less than the tests' 60 s backstop
 
