@@ -124,8 +124,7 @@ return 1
 # KEYS[1] - kombu's unacked_index   KEYS[2] - kombu's unacked hash
 # KEYS[3] - the delivery holders
 # ARGV[1] - delivery tag            ARGV[2] - the message as kombu records it
-# ARGV[3] - its lease in ms (the backstop's, for a message without a lease of its own:
-#           scored at its delivery time, as kombu scores it)
+# ARGV[3] - its lease in ms
 # ARGV[4] - the global visibility timeout in ms   ARGV[5] - holder id, or "" for none
 # return 1. kombu's ``QoS.append`` writes the same two entries in one MULTI, scored
 # with the worker's clock; here the score is the server's, as every sweep reads it.
@@ -284,10 +283,12 @@ def _append_with_lease(qos: Any, message: Any, delivery_tag: str) -> None:
     headers = message.headers
     name = headers.get("task") if isinstance(headers, dict) else None
     lease = qos.explicit_leases.get(name) if isinstance(name, str) else None
-    backstop = float(qos.visibility_timeout)
-    if lease is None and not settings.server_clock:
+    if lease is None:
+        # Not an ExplicitTask's: kombu's own score (this host's clock), outside our
+        # promise, which the server-clock sweep then compares with the server's.
         type(qos).append(qos, message, delivery_tag)
         return
+    backstop = float(qos.visibility_timeout)
     delivery = message.delivery_info
     raw = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
     channel = qos.channel
@@ -301,7 +302,7 @@ def _append_with_lease(qos: Any, message: Any, delivery_tag: str) -> None:
         [
             delivery_tag,
             raw,
-            int((backstop if lease is None else lease) * 1000),
+            int(lease * 1000),
             int(backstop * 1000),
             qos.explicit_holder,
         ],
