@@ -43,6 +43,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 from celery_explicit import job_log, metrics
 from celery_explicit.conf import settings
 from celery_explicit.execution import Execution
+from celery_explicit.idempotency import DEFERRALS_HEADER
 from celery_explicit.steps import RUN, Decision, Defer, Ending, Job
 
 logger = job_log.get_logger("celery_explicit.database_outage")
@@ -126,8 +127,6 @@ def backoff(deferrals: int) -> float:
 
 def deferrals_of(request: Any) -> int:
     """How often this job was deferred for the database already (its header)."""
-    from celery_explicit.idempotency import DEFERRALS_HEADER
-
     counts = getattr(request, DEFERRALS_HEADER, None)
     value = counts.get(NAME, 0) if isinstance(counts, dict) else 0
     return value if isinstance(value, int) else 0

@@ -248,8 +248,7 @@ def _act(
     cause = _outage(decision.error)
     if cause is not None:
         # The step's store write failed for the database: wait for it, attempts kept.
-        delay = database_outage.seen(task.name, cause, job.request)
-        republish.defer(task, execution, args, kwargs, delay, by=database_outage.NAME)
+        _wait_for_database(task, execution, job.request, args, kwargs, cause)
     if decision.record:
         records.attempt(execution, job.request, Outcome.RETRY_SCHEDULED, exc=decision.error)
     raise republish.retry(task, decision.error, decision.delay) from decision.error
@@ -355,6 +354,19 @@ def _defer_for_outage(
     republish.defer(task, execution, args, kwargs, delay, by=database_outage.NAME)
 
 
+def _wait_for_database(
+    task: Any,
+    execution: Execution,
+    request: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cause: str,
+) -> NoReturn:
+    """Publish the job again after the outage's backoff, its attempts kept."""
+    delay = database_outage.seen(task.name, cause, request)
+    republish.defer(task, execution, args, kwargs, delay, by=database_outage.NAME)
+
+
 def _dead_letter(
     task: Any,
     args: tuple[Any, ...],
@@ -389,5 +401,4 @@ def _dead_letter(
         if not settings.database_outage:
             raise republish.retry(task, db_exc, _rng.uniform(1.0, 10.0)) from db_exc
         cause = database_outage.cause_of(db_exc) or "dead_letter_write"
-        delay = database_outage.seen(task.name, cause, request)
-        republish.defer(task, execution, args, kwargs, delay, by=database_outage.NAME)
+        _wait_for_database(task, execution, request, args, kwargs, cause)

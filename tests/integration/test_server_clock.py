@@ -30,7 +30,7 @@ def host_behind(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def
     return Clock()
 
 
-def test_an_ordering_gap_is_timed_by_the_server(redis_client, host_behind, settings) -> None:
+def test_an_ordering_gap_is_timed_by_the_server(redis_client, host_behind) -> None:
     key = f"clock:{uuid.uuid4().hex[:8]}"
     host_behind()
     # Job 1 of the entity never came: job 2 starts the gap clock on a host behind...
