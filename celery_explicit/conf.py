@@ -105,6 +105,10 @@ class Settings:
     #: delivery by its tag even when another worker holds that delivery now (kombu's
     #: own behaviour: a stale copy's ack drops the live copy's record).
     delivery_holder: Setting[bool] = Setting(True, _flag, env=True)
+    #: *environment* Off (Redis broker): kombu's ``BRPOP`` takes a message off its queue
+    #: and the worker records it as delivered in a second command; a worker killed
+    #: between the two loses it (kombu's own behaviour; a negative-control switch).
+    atomic_fetch: Setting[bool] = Setting(True, _flag, env=True)
     #: Seconds, the longest a job waits between two tries while the database cannot be
     #: written (``celery_explicit.database_outage``; backoff from 1 s, equal jitter).
     database_outage_backoff_cap: Setting[float] = Setting(30.0, float)

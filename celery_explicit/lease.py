@@ -68,7 +68,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from celery_explicit import execution_lease, job_log, metrics, ordering, redis_state
+from celery_explicit import atomic_fetch, execution_lease, job_log, metrics, ordering, redis_state
 from celery_explicit.conf import settings
 from celery_explicit.contract import Contract
 from celery_explicit.redis_scripts import SERVER_NOW_MS, Script, call, call_many, server_time
@@ -264,6 +264,17 @@ def lease_on_delivery(qos: Any, leases: Mapping[str, float]) -> None:
     # Off: no holder is recorded (nothing would remove it) and kombu's ack stays.
     qos.explicit_holder = holder_id() if settings.delivery_holder else ""
     qos.append = MethodType(_append_with_lease, qos)
+    channel = qos.channel
+    atomic_fetch.install(
+        channel,
+        client=broker_client(channel),
+        leases=qos.explicit_leases,
+        backstop=float(qos.visibility_timeout),
+        holder=qos.explicit_holder,
+        index_key=unacked_index_key(channel),
+        unacked_key=str(getattr(channel, "global_keyprefix", "") or "") + str(qos.unacked_key),
+        holders_key=holders_key_of(channel),
+    )
     if qos.explicit_holder:
         qos.ack = MethodType(_ack_if_held, qos)
         qos.reject = MethodType(_reject_if_held, qos)
@@ -275,6 +286,11 @@ def _append_with_lease(qos: Any, message: Any, delivery_tag: str) -> None:
     from kombu.transport import redis as kombu_redis
     from kombu.utils.json import dumps
 
+    if atomic_fetch.recorded_by_fetch(qos.channel):
+        # Recorded, lease and holder with it, by the script that took the message off
+        # its queue: what is left is kombu's in-memory record of the delivery.
+        super(kombu_redis.QoS, qos).append(message, delivery_tag)
+        return
     # Protocol 2 names the task in a header; a message without one keeps kombu's score
     # and gets its lease at the keeper's first look. The headers are the sender's: a
     # ``task`` that is not a str (a list is unhashable) or headers that are not a dict

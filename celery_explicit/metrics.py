@@ -105,6 +105,12 @@ database_outage_deferrals = Counter(
     "retries, never dead-lettered for it.",
     ["task", "cause"],
 )
+unreadable_messages = Counter(
+    "explicit_unreadable_messages_total",
+    "Messages taken off a queue that name no delivery tag (not a kombu envelope), "
+    "moved to explicit:unreadable:<queue> on the broker instead of being dropped (Redis).",
+    ["queue"],
+)
 stale_acks_withheld = Counter(
     "explicit_stale_acks_withheld_total",
     "Acks, rejects and restores of a delivery another worker holds now (a stale copy "

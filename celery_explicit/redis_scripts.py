@@ -176,6 +176,27 @@ def call(conn: Any, script: Script, keys: Sequence[Any], args: Sequence[Any]) ->
     return conn.execute_command(*command)
 
 
+def prepared(conn: Any, script: Script, *, reload: bool = False) -> tuple[str, str]:
+    """The head of the command that runs ``script`` (``("FCALL", name)`` or
+    ``("EVALSHA", sha)``), its code loaded on the server through ``conn``: for a caller
+    that sends the command itself and reads the reply later, on a connection of its own
+    (a consumer's poller). A reply that ``missing`` recognises asks for it again, with
+    ``reload``."""
+    lib = _library or library()
+    if _load(conn, lib) if reload and _loaded(conn) is not False else _uses_functions(conn, lib):
+        return ("FCALL", lib.function_names[script.name])
+    conn.execute_command("SCRIPT", "LOAD", script.source)
+    return ("EVALSHA", script.sha)
+
+
+def missing(exc: BaseException) -> bool:
+    """True when ``exc`` says the server lacks the function or script called (restarted
+    without persistence, ``FUNCTION FLUSH``, a failover)."""
+    return isinstance(exc, NoScriptError) or (
+        isinstance(exc, ResponseError) and _missing_function(exc)
+    )
+
+
 def call_many(conn: Any, calls: Sequence[tuple[Script, Sequence[Any], Sequence[Any]]]) -> list[Any]:
     """Each ``(script, keys, args)`` of ``calls``, in one pipeline: one round trip.
 
