@@ -13,8 +13,8 @@ at 1,000 events/s.
                                   [--cpu-hog]
 
 ``--cpu-hog`` runs a busy loop pinned to the last core for the whole measurement: a
-machine where something else takes one of the two cores (issue 13 asks p99 <= 50 ms
-there too).
+machine where something else takes one of the two cores (the p99 <= 50 ms target
+applies there too).
 
 Everything runs on one machine: writers, relay, PostgreSQL, Redis and the consumer
 share its cores, and the relay's own cost is mostly Celery's ``apply_async``.

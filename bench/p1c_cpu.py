@@ -10,7 +10,7 @@ tasks doing the same row update, interleaved in chunks of CHUNK jobs, several ro
 - floor: ``bench.floor_update``, the statements the contract needs, sent by hand;
 - explicit: ``bench.explicit_update``, an ExplicitTask (lease, effect, ledger, attempt).
 
-Target (issue 13): explicit minus plain <= 500 µs per job.
+Target: explicit minus plain <= 500 µs per job.
 
     scripts/bench p1c_cpu.py [--jobs 2000] [--rounds 5] [--profile FILE]
 

@@ -7,7 +7,7 @@ LOCKED), build each Celery message (arguments bound, key rendered), publish thro
 kombu's ``Producer.batch`` pipeline, mark published, commit. The baselines publish the
 same Celery messages, built beforehand with ``app.amqp.create_task_message`` and the
 headers the relay adds: with kombu's ``Producer.batch()`` pipeline (the one the target
-is against: issue 13, P3b) and with ``Producer.publish`` in a loop (one Redis round trip
+is against: P3b) and with ``Producer.publish`` in a loop (one Redis round trip
 each). Same Redis, same queue, rounds interleaved; the ratio is taken per round, then
 the median. Target: relay / kombu batched >= 0.5 at batch 500.
 

@@ -1,4 +1,4 @@
-"""Peers (issue 13): celery-once, celery-singleton, a hand-rolled guard, ExplicitTask.
+"""Peers: celery-once, celery-singleton, a hand-rolled guard, ExplicitTask.
 
 The same business job for all (bench/benchapp/tasks.py, peer_tasks.py): one row update
 in a transaction for one ``op_id``. Three parts, in one run:

@@ -21,7 +21,7 @@ process does that every ``T / 4`` for each message it holds, with ``T`` the task
   (``lease_on_delivery``), so a worker killed at any moment after the delivery leaves
   its job to ``T``, never to the global timeout. (Scored with its delivery time until
   the keeper's first look, up to 0.1 s later, 2 of 8 whole-worker kills in a kill storm
-  left their job to the global timeout: issue 12, tests/fault/test_lease_window.py.)
+  left their job to the global timeout: tests/fault/test_lease_window.py.)
   The lease record an operator reads is written at that first look
   (``FIRST_LEASE_INTERVAL``), which also leases any message the delivery did not (a
   task this worker does not know);

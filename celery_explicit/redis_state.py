@@ -10,8 +10,8 @@ A prefork pool child runs one job at a time, and each job makes its few calls (t
 execution lease's acquire and release) one after another. There the client keeps one
 connection of its own (``OneConnection``) instead of taking one from redis-py's pool and
 giving it back on every call, which costs about 15-20 µs of CPU a call on the
-development machine (the pool's locking and its connection metrics; docs/performance.md,
-issue 13). Everywhere else (the worker's main process extending leases, a threads or
+development machine (the pool's locking and its connection metrics; docs/performance.md).
+Everywhere else (the worker's main process extending leases, a threads or
 gevent pool, a web process) jobs and threads call concurrently, and the pooled client
 stays: one shared connection would make them wait for each other's round trips.
 Pipelines take their connection from the pool either way.

@@ -45,7 +45,7 @@ def noop(row_id: int, op_id: str) -> None:
 # --- the floor: what the contract must send, with none of our Python around it -------
 # The statements ExplicitUpdate's job sends from its pool child, on the wire as it
 # sends them (read off PostgreSQL's log_statement and Redis's MONITOR), built by hand
-# with f-strings (issue 13: "not through our code"; the values are the bench's own ids
+# with f-strings (not through our code; the values are the bench's own ids
 # and ISO timestamps, which need no escaping):
 # - the execution lease's two functions (FCALL acquire: the lease, its held-marker and
 #   the fence counter; FCALL release), with the same keys and arguments;

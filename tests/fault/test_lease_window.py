@@ -1,6 +1,6 @@
 """A worker killed right after a delivery: its job comes back after the task's own lease.
 
-Issue 12 (a kill storm): a message used to carry kombu's score (its delivery time) until
+In a kill storm, a message used to carry kombu's score (its delivery time) until
 the keeper's first look, up to 0.1 s later, so a worker killed in that moment left its
 job to the broker's backstop, an hour in production. The message now gets its lease in
 the very write that records it as delivered (``celery_explicit.lease.

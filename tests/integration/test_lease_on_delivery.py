@@ -1,4 +1,4 @@
-"""A message gets its lease in the write that records it as delivered (issue 12).
+"""A message gets its lease in the write that records it as delivered.
 
 On a real kombu Redis channel: ``lease_on_delivery`` replaces the consumer's
 ``QoS.append``, which must keep writing exactly what kombu writes (the unacked entry a

@@ -1,5 +1,5 @@
 """A holder's process is alive only while it runs: a zombie (exited, not yet reaped by
-its parent) still has its /proc entry, and must count as gone (issue 12: a takeover
+its parent) still has its /proc entry, and must count as gone (a takeover
 waited about 3 s for the pool to reap a killed child)."""
 
 from __future__ import annotations
