@@ -4,6 +4,7 @@ tests/chaos/test_r10_bodies.py, finds them end to end; these pin each guard alon
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -138,6 +139,8 @@ class FakeQoS:
 
     def __init__(self) -> None:
         self.explicit_leases = {"chaos.job": 30.0}
+        # A channel whose last fetch was kombu's own BRPOP: nothing recorded it yet.
+        self.channel = SimpleNamespace(explicit_fetched=False)
         self.kombu_appended: list[tuple[Any, str]] = []
 
     def append(self, message: Any, delivery_tag: str) -> None:
