@@ -176,6 +176,24 @@ class Settings:
     relay_metrics_port: Setting[int] = Setting(0, int, env=True)
     metrics_token: Setting[str] = Setting("", str)
 
+    #: Retention, seconds (``manage.py explicit_prune``; docs/howto/small-state.md).
+    #: Attempt rows older than this are deleted.
+    retain_attempts: Setting[float] = Setting(30 * 86400.0, float)
+    #: ``Fence`` rows (takeovers of running jobs) older than this are deleted.
+    retain_fences: Setting[float] = Setting(30 * 86400.0, float)
+    #: Dead letters resolved (replayed or discarded) longer ago than this are deleted;
+    #: an open dead letter is never pruned.
+    retain_dead_letters: Setting[float] = Setting(90 * 86400.0, float)
+    #: Outbox events published (and past reconciliation) longer ago than this.
+    retain_outbox: Setting[float] = Setting(7 * 86400.0, float)
+    #: Effect-ledger rows older than this; never shorter than the floor ``manage.py
+    #: check`` computes (the longest time a copy of a job can still arrive).
+    retain_ledger: Setting[float] = Setting(30 * 86400.0, float)
+
+    #: The interface a worker's metrics port listens on (``worker_metrics_port``);
+    #: "0.0.0.0" opens it to the network (then set ``EXPLICIT_METRICS_TOKEN``).
+    worker_metrics_bind: Setting[str] = Setting("127.0.0.1", str, env=True)
+
     #: The request header ``CorrelationMiddleware`` takes a web request's id from.
     correlation_header: Setting[str] = Setting("X-Request-ID", str)
 
