@@ -266,7 +266,7 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
     if cap < base:
         raise refuse(f"backoff_cap={cap:g}s is below backoff_base={base:g}s", "backoff_cap")
 
-    return Contract(
+    contract = Contract(
         task_name=name,
         idempotency_key=key,
         visibility_timeout=visibility,
@@ -290,6 +290,34 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         ordering=ordering_mod.declared(cls, params, takes_kwargs, refuse, visibility, cap),
         sensitive=sensitive_mod.declared(cls, params, takes_kwargs, refuse),
     )
+    _refuse_sensitive_keys(contract)
+    return contract
+
+
+def _refuse_sensitive_keys(contract: Contract) -> None:
+    """A key is shown everywhere (log lines, message headers, Redis key names, the
+    admin, ``explain``): a sensitive field may enter it only hashed."""
+    keys: list[tuple[str, idempotency.KeyDeclaration]] = [
+        ("idempotency_key", contract.idempotency_key)
+    ]
+    if contract.dedup is not None:
+        keys.append(("dedup_key", contract.dedup.key))
+    if contract.ordering is not None:
+        keys.append(("ordering_key", contract.ordering.key))
+    for attr, key in keys:
+        field = declarations.shown_in_key(key, contract.sensitive)
+        if field is None:
+            continue
+        hashed = f"{{{field}{idempotency.HASH_FILTER}}}"
+        raise ContractError(
+            contract.task_name,
+            f"{attr} {key!r} shows the sensitive field {field!r} in the clear; keys are "
+            "logged, sent in headers, used in Redis key names and shown by the admin and "
+            "explain",
+            field=attr,
+            hint=f"Key by the value's digest instead: write {hashed} in the template "
+            f"(e.g. {attr} = 'payment:{hashed}'), or key by another field",
+        )
 
 
 def _refuse_unknown_options(

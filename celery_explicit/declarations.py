@@ -82,6 +82,21 @@ def check_key_fields(
         )
 
 
+def shown_in_key(key: idempotency.KeyDeclaration, sensitive: tuple[str, ...]) -> str | None:
+    """The first sensitive field ``key`` would show in the clear, if any: a template
+    field without ``|sha256``, or a parameter of a key callable (whatever it does with
+    the value, we cannot see that it hashes it)."""
+    if not sensitive:
+        return None
+    if isinstance(key, str):
+        for root, hashed in idempotency.template_field_uses(key):
+            if root in sensitive and not hashed:
+                return root
+        return None
+    names, _takes_kwargs = idempotency.callable_fields(key)
+    return next((name for name in names if name in sensitive), None)
+
+
 def positive(value: object, field: str, refuse: Refuse) -> float:
     if (
         isinstance(value, bool)

@@ -48,19 +48,58 @@ MAX_KEY_LENGTH = 255
 KeyDeclaration = str | Callable[..., str]
 
 
+#: The filter a template field may end with: ``{card|sha256}`` renders the value's
+#: SHA-256 (64 hex digits of ``str(value)`` in UTF-8) instead of the value. The whole
+#: digest, not a prefix: a key is the effect's identity, and two values that shared a
+#: truncated digest would be one effect; 64 characters fit well under MAX_KEY_LENGTH.
+HASH_FILTER = "|sha256"
+
+
 def template_fields(template: str) -> list[str]:
-    """Root names of the fields in a ``str.format`` template (``{order.id}`` -> ``order``)."""
-    roots: list[str] = []
+    """Root names of the fields in a ``str.format`` template (``{order.id}`` -> ``order``,
+    ``{card|sha256}`` -> ``card``)."""
+    return [root for root, _hashed in template_field_uses(template)]
+
+
+def template_field_uses(template: str) -> list[tuple[str, bool]]:
+    """Each field of a template: its root name, and whether it is hashed (``|sha256``)."""
+    uses: list[tuple[str, bool]] = []
     for _literal, field, _spec, _conv in string.Formatter().parse(template):
         if field is None:
             continue
-        root = field.split(".", 1)[0].split("[", 1)[0]
+        hashed = field.endswith(HASH_FILTER)
+        path = field.removesuffix(HASH_FILTER)
+        root = path.split(".", 1)[0].split("[", 1)[0]
         if not root or root.isdigit():
             raise ValueError(
                 f"positional field {{{field}}} in {template!r}: name the run() parameter"
             )
-        roots.append(root)
-    return roots
+        if "|" in path:
+            raise ValueError(
+                f"field {{{field}}} in {template!r}: the only filter is {HASH_FILTER} "
+                f"({{{root}{HASH_FILTER}}})"
+            )
+        uses.append((root, hashed))
+    return uses
+
+
+def digest(value: Any) -> str:
+    """What ``{field|sha256}`` renders: the SHA-256 of ``str(value)``, in hex."""
+    return hashlib.sha256(str(value).encode()).hexdigest()
+
+
+class _KeyFormatter(string.Formatter):
+    """``str.format`` with the ``|sha256`` filter: the one renderer of key templates
+    (idempotency, dedup and ordering keys, their earlier templates)."""
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> Any:
+        if field_name.endswith(HASH_FILTER):
+            value, root = super().get_field(field_name.removesuffix(HASH_FILTER), args, kwargs)
+            return digest(value), root
+        return super().get_field(field_name, args, kwargs)
+
+
+_FORMATTER = _KeyFormatter()
 
 
 def callable_fields(key: Callable[..., str]) -> tuple[list[str], bool]:
@@ -106,7 +145,11 @@ def render_key(
             if given[field] is None:
                 raise BadInput(task_name, f"{label} field {field!r} is None (key {declaration!r})")
         try:
-            key = declaration.format(**given)
+            key = (
+                _FORMATTER.vformat(declaration, (), dict(given))
+                if HASH_FILTER in declaration
+                else declaration.format(**given)  # str.format is C: the usual key
+            )
         except Exception as exc:  # {order[id]} on a list, {n[0]} on an int, ...
             raise BadInput(task_name, f"cannot render {label} {declaration!r}: {exc!r}") from exc
     if len(key) > MAX_KEY_LENGTH:

@@ -24,13 +24,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery.app.task import Context
 from celery.exceptions import InvalidTaskError
 from celery.worker.request import Request
+from kombu.utils.objects import cached_property
 
-from celery_explicit import ordering, store
+from celery_explicit import ordering, sensitive, store
 
 
 class ExplicitRequest(Request):
+    @cached_property
+    def _context(self) -> Context:
+        """The task's context as the main process reports it: the result backend stores
+        its arguments (``result_extended``) with a hard time limit's or a lost worker's
+        FAILURE, and the failure signals see them. A sensitive field is redacted there."""
+        context: Context = Request._context.func(self)  # type: ignore[attr-defined]
+        shown = sensitive.for_task(self.task_name, self.task.app, self.args, self.kwargs)
+        if shown.fields:
+            context.args, context.kwargs = shown.arguments(self.args, self.kwargs)
+        return context
+
     def on_timeout(self, soft: bool, timeout: float) -> None:
         """The hard time limit killed the handler: it never reached its own records."""
         if not soft:

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task, current_task
+from celery.exceptions import Retry
 
 from celery_explicit import contract as contract_mod
 from celery_explicit import (
@@ -40,7 +41,7 @@ from celery_explicit import dedup as dedup_mod
 from celery_explicit import ordering as ordering_mod
 from celery_explicit import sensitive as sensitive_mod
 from celery_explicit.errors import BadInput, ExplicitError
-from celery_explicit.execution import Execution, current
+from celery_explicit.execution import Execution, current, running
 from celery_explicit.request import ExplicitRequest
 
 if TYPE_CHECKING:
@@ -237,7 +238,52 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             # but the same key so ``effect()`` still guards the effect.
             pipeline.begin(self, request, args, kwargs)
             return super().__call__(*args, **kwargs)
-        return pipeline.deliver(self, args, kwargs)
+        try:
+            return pipeline.deliver(self, args, kwargs)
+        finally:
+            if self.contract.sensitive:
+                # Celery stores the request's arguments with the result once this
+                # returns (``result_extended``) and hands them to on_failure and the
+                # errbacks: the redacted ones. Every re-publish (a retry, a deferral)
+                # has been sent by now, from the real ones.
+                shown = sensitive_mod.of_call(
+                    self.contract.sensitive, self.contract.signature, args, kwargs
+                )
+                request.args, request.kwargs = shown.arguments(args, kwargs)
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: Any = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: Any = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``retry``, with the error's text scrubbed of sensitive values.
+
+        Celery logs the error it is handed (``Task ... retry: Retry in 2s: <error>``)
+        and stores it as the RETRY state: it gets a copy without them; the error the
+        handler raised is left as it is.
+        """
+        execution = running(self.request)
+        shown = exc
+        if execution is not None and execution.secrets and isinstance(exc, BaseException):
+            shown = sensitive_mod.Redaction(
+                fields=execution.sensitive, secrets=tuple(execution.secrets)
+            ).error(exc)
+        if shown is exc or self.request.called_directly:
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        try:
+            return super().retry(args, kwargs, shown, throw, eta, countdown, max_retries, **options)
+        except Retry as retry:
+            # Raised while the handler's error was being handled, the Retry chains it
+            # (``__context__``), and the traceback Celery stores with the RETRY state
+            # would quote it: the scrubbed copy stands for it.
+            retry.__suppress_context__ = True
+            raise
 
     def run_handler(self, *args: Any, **kwargs: Any) -> Any:
         """The handler itself, as Celery runs it (``run()``); called by the pipeline."""

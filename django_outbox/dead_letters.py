@@ -48,8 +48,24 @@ def record(
 
     ``task_id`` is whatever the message carried (``id_text``): a malformed message
     reaches here from the worker's main process and, through protocol 1, from the task.
+
+    A task's sensitive fields are redacted here (``celery_explicit.sensitive``).
     """
     task_id = id_text(task_id)
+    # Every dead letter comes through here, whoever writes it: a task's sensitive
+    # fields are kept redacted and their values scrubbed from the raw body, the error
+    # and the traceback, whether the writer knew the task's contract or not.
+    shown = sensitive.for_task(str(task_name), settings.celery_app(), args, kwargs)
+    if shown.fields:
+        args, kwargs = shown.arguments(
+            args if isinstance(args, list | tuple) else (),
+            kwargs if isinstance(kwargs, dict) else {},
+        )
+        raw_body, error_message, traceback = (
+            shown.text(raw_body),
+            shown.text(error_message),
+            shown.text(traceback),
+        )
     now = timezone.now()
     first_seen = (
         Attempt.objects.using(settings.database)
