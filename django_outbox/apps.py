@@ -7,12 +7,14 @@ class DjangoOutboxConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        # Registers the system checks (django_outbox.E00x / W00x) and the worker-side
-        # signal receivers that record messages the task code never sees.
+        # Registers the system checks (django_outbox.E0xx / W0xx; retention's E020/W020
+        # live beside the prune they guard) and the worker-side signal receivers that
+        # record messages the task code never sees.
         from celery_explicit import store as explicit_store
         from django_outbox import (
             checks,  # noqa: F401
             receivers,  # noqa: F401
+            retention,  # noqa: F401
         )
         from django_outbox.store import DjangoStore
 

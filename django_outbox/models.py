@@ -10,6 +10,7 @@ Each model answers one operator question:
   up cannot commit. (concurrency)
 - ``OutboxEvent``: a job or event committed with the business change, waiting for the
   relay to publish it. (delivery)
+- ``PruneRecord``: when was each table last pruned? (retention)
 """
 
 from __future__ import annotations
@@ -373,3 +374,19 @@ class OutboxEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_name}[{self.event_id}]: {self.status}"
+
+
+class PruneRecord(models.Model):
+    """When ``manage.py explicit_prune`` last finished a table, and how many rows it
+    deleted then (``django_outbox.retention``; check W020 reads it)."""
+
+    table = models.CharField(max_length=32, primary_key=True)
+    pruned_at = models.DateTimeField()
+    deleted = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "django_outbox_prune"
+        verbose_name = "prune run"
+
+    def __str__(self) -> str:
+        return f"{self.table} pruned at {self.pruned_at}: {self.deleted} rows"

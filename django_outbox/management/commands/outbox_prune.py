@@ -1,9 +1,9 @@
-"""``manage.py outbox_prune --older-than 7d``: delete outbox events the relay is done with.
+"""``manage.py outbox_prune --older-than 7d``: ``explicit_prune --table outbox`` with the
+retention given on the command line instead of ``EXPLICIT_RETAIN_OUTBOX``.
 
-Published events are evidence for a while (which event became which task id, when);
-after the retention they are only weight on the table. Deleted in batches, each in
-its own short transaction, so a large purge never holds long locks or one huge
-transaction. Pending events are never deleted.
+Kept as an alias onto the same code (``django_outbox.retention``), not deprecated: the
+cron lines that run it go on working, and since it is the same code they now also keep
+the events reconciliation may still republish. Pending events are never deleted.
 """
 
 from __future__ import annotations
@@ -13,13 +13,9 @@ from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import transaction
-from django.db.models import Q
-from django.utils import timezone
 
-from django_outbox.conf import settings
+from django_outbox import retention
 from django_outbox.management.arguments import positive_int
-from django_outbox.models import OutboxEvent, OutboxStatus
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -38,34 +34,18 @@ def parse_duration(text: str) -> timedelta:
 
 
 def prune(older_than: timedelta, *, batch_size: int = 1000, using: str | None = None) -> int:
-    """Delete finished events older than ``older_than``; returns how many.
-
-    Published events count from their publish; dead-lettered and deduplicated ones,
-    which were never published, from their creation (the dead letter keeps the
-    evidence of the former).
-    """
-    alias = using or settings.database
-    cutoff = timezone.now() - older_than
-    finished = OutboxEvent.objects.using(alias).filter(
-        Q(status=OutboxStatus.PUBLISHED, published_at__lt=cutoff)
-        | Q(
-            status__in=[OutboxStatus.DEAD_LETTER, OutboxStatus.DEDUPLICATED],
-            created_at__lt=cutoff,
-        )
+    """Delete the outbox events ``explicit_prune --table outbox`` would, with
+    ``older_than`` as the retention; returns how many."""
+    return retention.prune(
+        "outbox", using=using, seconds=older_than.total_seconds(), batch_size=batch_size
     )
-    deleted = 0
-    while True:
-        with transaction.atomic(using=alias):
-            ids = list(finished.order_by("id").values_list("id", flat=True)[:batch_size])
-            if not ids:
-                return deleted
-            deleted += OutboxEvent.objects.using(alias).filter(id__in=ids).delete()[0]
 
 
 class Command(BaseCommand):
     help = (
         "Delete outbox events published (or dead-lettered) longer ago than --older-than, "
-        "in batches. Pending events are never deleted."
+        "in batches: explicit_prune --table outbox with its own retention. Pending events "
+        "and events reconciliation may still republish are never deleted."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
