@@ -3,7 +3,8 @@
 ``manage.py check`` (and the worker, through Django's start-up) report:
 
 - E001 a task's contract is missing a field or contradicts itself
-- E002 a pickle serializer is accepted or used
+- E002 a pickle serializer is accepted or used (by name or content type, for tasks
+  or results)
 - E003 the Redis broker's visibility timeout (the global backstop) is shorter than a
   task's lease, so the broker redelivers that task while it still runs
 - E004 ``EXPLICIT_CELERY_APP`` cannot be imported
@@ -12,7 +13,12 @@
   in a worker (an ETA message) would be redelivered to another one meanwhile
 - W002 kombu's restore sweep runs less often than a task's lease: a dead worker's job
   waits for the sweep, not for its own lease
-- E006 an outbox setting (``EXPLICIT_OUTBOX_*``) the relay cannot run with
+- E006 a setting (``EXPLICIT_*``) outside its rule: a range, its choices, its form
+- E007 a setting that cannot be read as its type (``"abc"`` for a number)
+- E008 a setting against another (a reconcile horizon at or below ``AFTER``, a backoff
+  cap below its base)
+- W013 an ``EXPLICIT_*`` Django setting that no setting reads (a misspelling), with the
+  names it is close to
 - W005 the installed Celery or kombu is outside the tested ranges: a worker refuses to
   start, or starts only because ``EXPLICIT_ALLOW_UNTESTED_VERSIONS`` overrides it
 - W010 (``check --database default``) a task's key template changed since a worker
@@ -25,8 +31,8 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from django.apps import AppConfig
@@ -57,6 +63,24 @@ def _loaded_tasks(app: Any) -> list[Any]:
     return _explicit_tasks(app)
 
 
+Check = Callable[..., list[checks.CheckMessage]]
+
+
+def reads_settings(check: Check) -> Check:
+    """A check that reads our settings says nothing while one of them cannot be read
+    as its type: ``check_settings`` reports that one (E007), where reading it here
+    would end ``manage.py check`` in a traceback. Every check of ours that reads a
+    setting wears it, under ``@checks.register``."""
+
+    @functools.wraps(check)
+    def guarded(*args: Any, **kwargs: Any) -> list[checks.CheckMessage]:
+        if any(problem.kind == "cast" for problem in settings.problems()):
+            return []
+        return check(*args, **kwargs)
+
+    return guarded
+
+
 def _explicit_tasks(app: Any) -> list[Any]:
     from celery_explicit.task import ExplicitTask
 
@@ -64,6 +88,7 @@ def _explicit_tasks(app: Any) -> list[Any]:
 
 
 @checks.register("django_outbox")
+@reads_settings
 def check_celery_configuration(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[checks.CheckMessage]:
@@ -148,9 +173,12 @@ def _check_broker_url(app: Any, tasks: list[Any]) -> list[checks.CheckMessage]:
 
 
 @checks.register("django_outbox", checks.Tags.database)
+@reads_settings
 def check_ledger_database(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[checks.CheckMessage]:
+    if settings.database not in connections:
+        return []  # check_settings names the alias (E006)
     connection = connections[settings.database]
     if connection.vendor in ("postgresql", "sqlite"):
         return []
@@ -174,22 +202,51 @@ def _contract_hint(exc: ContractError) -> str:
     )
 
 
+def _pickle_names() -> set[str]:
+    """Every name and content type under which kombu decodes with pickle: a Celery
+    setting may give either (``accept_content=["application/x-python-serialize"]``)."""
+    from kombu import serialization
+
+    # kombu's stubs leave out its module-level registry; the registry is kombu's own
+    # record of what it decodes, including a serializer registered under another name
+    # that decodes with kombu's unpickle.
+    registry: Any = serialization.registry  # type: ignore[attr-defined]
+    pickle_types = {"application/x-python-serialize"}
+    pickle_types.update(
+        content_type
+        for content_type, decoder in registry._decoders.items()
+        if decoder is serialization.unpickle
+    )
+    names = {
+        name for name, content_type in registry.name_to_type.items() if content_type in pickle_types
+    }
+    return {n.lower() for n in names | pickle_types | {"pickle"}}
+
+
 def _check_serializers(app: Any) -> list[checks.CheckMessage]:
     conf = app.conf
+    pickle = _pickle_names()
     found = []
-    for name in ("accept_content", "task_serializer", "result_serializer", "event_serializer"):
+    for name in (
+        "accept_content",
+        "result_accept_content",
+        "task_serializer",
+        "result_serializer",
+        "event_serializer",
+    ):
         value = conf.get(name)
         values = [value] if isinstance(value, str) else list(value or [])
-        if any("pickle" in str(v) for v in values):
-            found.append(name)
+        allowed = sorted({str(v) for v in values if str(v).strip().lower() in pickle})
+        if allowed:
+            found.append(f"{name} ({', '.join(allowed)})")
     if not found:
         return []
     return [
         checks.Error(
             f"Celery setting {', '.join(found)} allows the pickle serializer: a pickled "
             "message taken from the broker runs arbitrary code in the worker",
-            hint="Use JSON: accept_content=['json'], task_serializer='json', "
-            "result_serializer='json'.",
+            hint="Use JSON: accept_content=['json'], result_accept_content=['json'], "
+            "task_serializer='json', result_serializer='json'.",
             id="django_outbox.E002",
         )
     ]
@@ -257,6 +314,7 @@ def _check_soft_shutdown(app: Any, tasks: list[Any]) -> list[checks.CheckMessage
 
 
 @checks.register("django_outbox", checks.Tags.database)
+@reads_settings
 def check_key_renames(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[checks.CheckMessage]:
@@ -359,47 +417,48 @@ def _check_visibility(app: Any, tasks: list[Any]) -> list[checks.CheckMessage]:
     return messages
 
 
+#: ``Problem.kind`` -> the check id that reports it.
+SETTING_CHECK_IDS = {
+    "rule": "django_outbox.E006",
+    "cast": "django_outbox.E007",
+    "relation": "django_outbox.E008",
+}
+
+
 @checks.register("django_outbox")
-def check_outbox_settings(
+def check_settings(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[checks.CheckMessage]:
-    """E006: an outbox setting the relay cannot run with."""
-    problems: list[str] = []
-    try:
-        values = {
-            "EXPLICIT_OUTBOX_BATCH_SIZE": (settings.outbox_batch_size, 1),
-            "EXPLICIT_OUTBOX_MAX_ATTEMPTS": (settings.outbox_max_attempts, 1),
-            "EXPLICIT_OUTBOX_POLL_INTERVAL": (settings.outbox_poll_interval, 0.001),
-            "EXPLICIT_OUTBOX_BACKOFF_BASE": (settings.outbox_backoff_base, 0.001),
-            "EXPLICIT_OUTBOX_BACKOFF_CAP": (settings.outbox_backoff_cap, 0.001),
-        }
-    except (TypeError, ValueError) as exc:
-        problems.append(f"an EXPLICIT_OUTBOX_* setting is not a number: {exc}")
-        values = {}
-    for name, (value, least) in values.items():
-        if not least <= value < math.inf:  # NaN too; an infinite wait breaks select()
-            problems.append(f"{name}={value!r} must be a finite number, at least {least:g}")
-    if values and settings.outbox_backoff_cap < settings.outbox_backoff_base:
-        problems.append(
-            f"EXPLICIT_OUTBOX_BACKOFF_CAP={settings.outbox_backoff_cap:g} is shorter than "
-            f"EXPLICIT_OUTBOX_BACKOFF_BASE={settings.outbox_backoff_base:g}"
-        )
-    channel = settings.outbox_notify_channel
-    if len(channel.encode()) > 63:
-        # pg_notify() refuses a channel name past 63 bytes: every outbox write would
-        # fail inside its business transaction.
-        problems.append(f"EXPLICIT_OUTBOX_NOTIFY_CHANNEL={channel!r} is longer than 63 bytes")
-    return [
+    """E006/E007/E008: a setting against its rule, its type, or another setting (the
+    table is ``celery_explicit.conf.Settings``); W013: an ``EXPLICIT_*`` Django setting
+    no setting reads, which would otherwise do nothing at all."""
+    found: list[checks.CheckMessage] = [
         checks.Error(
-            problem,
-            hint="Fix the setting; the outbox relay reads it at start-up.",
-            id="django_outbox.E006",
+            problem.message,
+            hint=problem.hint,
+            obj=problem.setting,
+            id=SETTING_CHECK_IDS[problem.kind],
         )
-        for problem in problems
+        for problem in settings.problems()
     ]
+    for name, close in settings.unknown().items():
+        found.append(
+            checks.Warning(
+                f"{name} is set, but no celery-explicit setting has that name: it does nothing",
+                hint=(
+                    f"Did you mean {' or '.join(close)}?"
+                    if close
+                    else "The settings are listed in docs/reference.md (Settings)."
+                ),
+                obj=name,
+                id="django_outbox.W013",
+            )
+        )
+    return found
 
 
 @checks.register("django_outbox")
+@reads_settings
 def check_versions(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[checks.CheckMessage]:

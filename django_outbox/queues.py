@@ -8,13 +8,16 @@ element, and its ``explicit_sent_at`` header (set on every ExplicitTask publish)
 when it was sent. AMQP cannot look at a message without taking it (a get and a requeue
 would mark it redelivered), so on RabbitMQ the management API's
 ``head_message_timestamp`` is read: the AMQP ``timestamp`` property every ExplicitTask
-publish sets (``EXPLICIT_RABBITMQ_MANAGEMENT_URL``). The dashboard shows these in
-words (``why`` says what could not be read), the metrics view as numbers.
+publish sets (``EXPLICIT_RABBITMQ_MANAGEMENT_URL``), with the broker's credentials,
+which go only over https or to this host (``credentials_refused``). The dashboard
+shows these in words (``why`` says what could not be read), the metrics view as
+numbers.
 """
 
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
 import time
 import urllib.parse
@@ -88,6 +91,9 @@ def _rabbitmq_head_sent_at(conn: Any, queue: str) -> tuple[float | None, str]:
         return None, "not read (EXPLICIT_RABBITMQ_MANAGEMENT_URL is off)"
     if not base:
         base = f"http://{conn.hostname or '127.0.0.1'}:15672"
+    refused = credentials_refused(base)
+    if refused:
+        return None, refused
     vhost = urllib.parse.quote(conn.virtual_host or "/", safe="")
     url = f"{base.rstrip('/')}/api/queues/{vhost}/{urllib.parse.quote(queue, safe='')}"
     request = urllib.request.Request(url)
@@ -103,3 +109,27 @@ def _rabbitmq_head_sent_at(conn: Any, queue: str) -> tuple[float | None, str]:
     if not isinstance(sent_at, int | float):
         return None, "unknown (its head message has no timestamp: not sent by an ExplicitTask)"
     return float(sent_at), ""
+
+
+def credentials_refused(base: str) -> str:
+    """Why the broker's user and password may not be sent to the management API at
+    ``base``, or "". They go as HTTP Basic, readable by anyone on the path unless the
+    URL is https or the API is on this host: an ``amqps://`` broker does not make
+    ``http://`` safe, and the management API on another host is not read."""
+    parts = urllib.parse.urlsplit(base)
+    if parts.scheme == "https" or _is_loopback(parts.hostname or ""):
+        return ""
+    return (
+        f"not read (RabbitMQ's management API at {base} is plain http to another host: "
+        "the broker's password would cross the network in clear; set "
+        'EXPLICIT_RABBITMQ_MANAGEMENT_URL to its https:// URL, or to "off")'
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):  # RFC 6761: always loopback
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: where it resolves to is not ours to trust

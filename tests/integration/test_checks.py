@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from django.core.checks.registry import registry
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.test import override_settings
@@ -18,7 +19,12 @@ from tests.celery_app import app
 def conf() -> Iterator[Any]:
     saved = {
         k: app.conf.get(k)
-        for k in ("broker_transport_options", "accept_content", "result_serializer")
+        for k in (
+            "broker_transport_options",
+            "accept_content",
+            "result_accept_content",
+            "result_serializer",
+        )
     }
     yield app.conf
     for key, value in saved.items():
@@ -114,21 +120,198 @@ def test_models_and_migrations_agree() -> None:
 
 
 def test_outbox_settings_the_relay_cannot_run_with_are_errors() -> None:
-    assert checks.check_outbox_settings() == []
+    assert checks.check_settings() == []
     with override_settings(
         EXPLICIT_OUTBOX_BATCH_SIZE=0,
         EXPLICIT_OUTBOX_POLL_INTERVAL=float("inf"),
         EXPLICIT_OUTBOX_NOTIFY_CHANNEL="c" * 64,
     ):
-        found = checks.check_outbox_settings()
+        found = checks.check_settings()
     messages = " | ".join(m.msg for m in found)
     assert ids(found) == ["django_outbox.E006"] * 3
-    assert "EXPLICIT_OUTBOX_BATCH_SIZE=0 must be a finite number, at least 1" in messages
+    assert "EXPLICIT_OUTBOX_BATCH_SIZE=0 must be at least 1" in messages
     assert "EXPLICIT_OUTBOX_POLL_INTERVAL=inf must be a finite number" in messages
-    assert "longer than 63 bytes" in messages
+    assert "must be at most 63 bytes" in messages
     with override_settings(EXPLICIT_OUTBOX_BACKOFF_BASE=10, EXPLICIT_OUTBOX_BACKOFF_CAP=1):
-        (cap,) = checks.check_outbox_settings()
-    assert "is shorter than EXPLICIT_OUTBOX_BACKOFF_BASE" in cap.msg
+        (cap,) = checks.check_settings()
+    assert cap.id == "django_outbox.E008"
+    assert cap.msg.startswith(
+        "EXPLICIT_OUTBOX_BACKOFF_CAP=1.0 must be at least EXPLICIT_OUTBOX_BACKOFF_BASE=10.0"
+    )
+
+
+def test_a_misspelt_setting_is_a_warning_naming_the_setting_it_resembles() -> None:
+    with override_settings(EXPLICIT_METRIC_TOKEN="s3cret", EXPLICIT_REDIS_ULR="redis://x/1"):
+        found = checks.check_settings()
+    assert ids(found) == ["django_outbox.W013"] * 2
+    by_name = {m.obj: m for m in found}
+    assert by_name["EXPLICIT_METRIC_TOKEN"].msg == (
+        "EXPLICIT_METRIC_TOKEN is set, but no celery-explicit setting has that name: "
+        "it does nothing"
+    )
+    assert by_name["EXPLICIT_METRIC_TOKEN"].hint.startswith("Did you mean EXPLICIT_METRICS_TOKEN")
+    # Its attribute is redis_url_setting: the documented name is what is suggested.
+    assert by_name["EXPLICIT_REDIS_ULR"].hint == "Did you mean EXPLICIT_REDIS_URL?"
+    with override_settings(EXPLICIT_NOTHING_LIKE_IT=1):
+        (far,) = checks.check_settings()
+    assert far.hint == "The settings are listed in docs/reference.md (Settings)."
+
+
+def test_a_misspelt_setting_shows_in_manage_py_check(capsys: pytest.CaptureFixture[str]) -> None:
+    with override_settings(EXPLICIT_CELERY_APPP="tests.celery_app.app"):
+        call_command("check")
+    err = capsys.readouterr().err
+    assert "EXPLICIT_CELERY_APPP: (django_outbox.W013)" in err
+    assert "Did you mean EXPLICIT_CELERY_APP?" in err
+
+
+def test_a_value_that_cannot_be_cast_is_an_error_not_a_traceback() -> None:
+    with override_settings(
+        EXPLICIT_OUTBOX_BATCH_SIZE="abc",
+        EXPLICIT_OUTBOX_MAX_ATTEMPTS=2.5,
+        EXPLICIT_CELERY_APP=["tests.celery_app.app"],
+        EXPLICIT_LEASE_EXTEND="of",
+    ):
+        found = checks.check_settings()
+        # Every other check here reads settings; none of them may end in a traceback:
+        # they wait until the value can be read.
+        others = [
+            check(databases=["default"])
+            for check in registry.get_checks()
+            if check.__module__ == checks.__name__ and check is not checks.check_settings
+        ]
+    assert ids(found) == ["django_outbox.E007"] * 4
+    by_name = {m.obj: m for m in found}
+    batch = by_name["EXPLICIT_OUTBOX_BATCH_SIZE"]
+    assert batch.msg.startswith("EXPLICIT_OUTBOX_BATCH_SIZE='abc' cannot be read as a whole number")
+    assert batch.hint == (
+        "Set EXPLICIT_OUTBOX_BATCH_SIZE to a whole number, at least 1, or remove it for "
+        "the default (100)."
+    )
+    assert "2.5 is not a whole number" in by_name["EXPLICIT_OUTBOX_MAX_ATTEMPTS"].msg
+    assert "is a list, not a string" in by_name["EXPLICIT_CELERY_APP"].msg
+    assert (
+        "EXPLICIT_LEASE_EXTEND='of' cannot be read as a switch"
+        in by_name["EXPLICIT_LEASE_EXTEND"].msg
+    )
+    assert len(others) == 4 and not any(others)
+
+
+def test_an_environment_switch_that_cannot_be_cast_is_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("EXPLICIT_WORKER_METRICS_PORT", "90o1")
+    (found,) = checks.check_settings()
+    assert found.id == "django_outbox.E007"
+    assert found.msg.startswith("EXPLICIT_WORKER_METRICS_PORT='90o1' cannot be read")
+
+
+def test_a_reconcile_horizon_at_or_below_after_is_an_error() -> None:
+    with override_settings(
+        EXPLICIT_OUTBOX_RECONCILE_AFTER=600, EXPLICIT_OUTBOX_RECONCILE_HORIZON=600
+    ):
+        (found,) = checks.check_settings()
+    assert found.id == "django_outbox.E008"
+    assert found.obj == "EXPLICIT_OUTBOX_RECONCILE_HORIZON"
+    assert found.msg.startswith(
+        "EXPLICIT_OUTBOX_RECONCILE_HORIZON=600.0 must be greater than "
+        "EXPLICIT_OUTBOX_RECONCILE_AFTER=600.0: "
+    )
+    assert "turns reconciliation off" in found.msg
+    assert "set EXPLICIT_OUTBOX_RECONCILE_AFTER = 0 to turn it off" in found.hint
+    # AFTER = 0 is reconciliation off: no horizon is too short then.
+    with override_settings(EXPLICIT_OUTBOX_RECONCILE_AFTER=0, EXPLICIT_OUTBOX_RECONCILE_HORIZON=1):
+        assert checks.check_settings() == []
+    with override_settings(EXPLICIT_OUTBOX_RECONCILE_AFTER=-1):
+        (negative,) = checks.check_settings()
+    assert negative.msg == "EXPLICIT_OUTBOX_RECONCILE_AFTER=-1 must be at least 0"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "rule"),
+    [
+        ("EXPLICIT_WORKER_METRICS_PORT", 65536, "must be at most 65535"),
+        ("EXPLICIT_RELAY_METRICS_PORT", -1, "must be at least 0"),
+        ("EXPLICIT_RETAIN_ATTEMPTS", 0, "must be greater than 0"),
+        ("EXPLICIT_RETAIN_LEDGER", -86400, "must be greater than 0"),
+        ("EXPLICIT_RETAIN_OUTBOX", float("nan"), "must be a finite number"),
+        ("EXPLICIT_WORKER_METRICS_BIND", "0.0.0.0:9100", "must be an IP address or a host name"),
+        ("EXPLICIT_WORKER_METRICS_BIND", "", "must be an IP address or a host name"),
+        ("EXPLICIT_DATABASE", "ledgr", "must be one of the DATABASES aliases"),
+        ("EXPLICIT_REDIS_URL", "127.0.0.1:6379", "must be a redis://, rediss:// or unix:// URL"),
+        ("EXPLICIT_RABBITMQ_MANAGEMENT_URL", "rabbit:15672", "must be an http:// or https://"),
+        ("EXPLICIT_CORRELATION_HEADER", "X Request Id", "must be an HTTP header name"),
+    ],
+)
+def test_a_value_outside_its_rule_is_an_error_naming_setting_value_and_rule(
+    name: str, value: object, rule: str
+) -> None:
+    with override_settings(**{name: value}):
+        (found,) = checks.check_settings()
+        # E005 reads EXPLICIT_DATABASE: an unknown alias is said once, here, not as a
+        # traceback from the connection handler.
+        assert checks.check_ledger_database() == []
+    assert found.id == "django_outbox.E006"
+    assert found.obj == name
+    assert found.msg.startswith(f"{name}={value!r} {rule}")
+    assert found.hint.startswith(f"Set {name} to ")
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("EXPLICIT_WORKER_METRICS_BIND", "0.0.0.0"),
+        ("EXPLICIT_WORKER_METRICS_BIND", "::1"),
+        ("EXPLICIT_WORKER_METRICS_BIND", "metrics.internal"),
+        ("EXPLICIT_WORKER_METRICS_PORT", "9100"),
+        ("EXPLICIT_EXECUTION_LEASE", "off"),
+        ("EXPLICIT_OUTBOX_BATCH_SIZE", 10.0),
+        ("EXPLICIT_REDIS_URL", "unix:///run/redis.sock?db=2"),
+        ("EXPLICIT_RABBITMQ_MANAGEMENT_URL", "off"),
+    ],
+)
+def test_a_value_inside_its_rule_is_no_finding(name: str, value: object) -> None:
+    with override_settings(**{name: value}):
+        assert checks.check_settings() == []
+
+
+def test_pickle_by_content_type_or_in_result_accept_content_is_an_error(conf: Any) -> None:
+    saved = conf.get("result_accept_content")
+    try:
+        conf.accept_content = ["json", "application/x-python-serialize"]
+        (found,) = checks.check_celery_configuration()
+        assert found.id == "django_outbox.E002"
+        assert "accept_content (application/x-python-serialize)" in found.msg
+        conf.accept_content = ["json"]
+        conf.result_accept_content = ["json", "Pickle"]
+        (found,) = checks.check_celery_configuration()
+        assert found.id == "django_outbox.E002"
+        assert "result_accept_content (Pickle)" in found.msg
+        conf.result_accept_content = ["application/json"]
+        conf.result_serializer = "application/x-python-serialize"
+        (found,) = checks.check_celery_configuration()
+        assert "result_serializer (application/x-python-serialize)" in found.msg
+    finally:
+        conf.result_accept_content = saved
+        conf.result_serializer = "json"
+        conf.accept_content = ["json"]
+    assert checks.check_celery_configuration() == []
+
+
+def test_a_pickle_serializer_registered_under_another_name_is_an_error(conf: Any) -> None:
+    """kombu decodes with pickle whatever name a serializer was registered under."""
+    from kombu import serialization
+
+    serialization.register(
+        "frozen", lambda obj: obj, serialization.unpickle, "application/x-frozen", "binary"
+    )
+    try:
+        conf.accept_content = ["json", "frozen"]
+        (found,) = checks.check_celery_configuration()
+        assert found.id == "django_outbox.E002"
+        assert "accept_content (frozen)" in found.msg
+    finally:
+        serialization.registry.unregister("frozen")
 
 
 def test_a_task_class_no_app_registered_is_a_warning() -> None:
