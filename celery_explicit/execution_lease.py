@@ -28,9 +28,17 @@ their hash tag (one slot on Redis Cluster):
 - ``{prefix}run:{<task_id>}``: ``<fence>|<owner host:pid>|<acquired ms>``, with the TTL;
 - ``{prefix}run-held:{<task_id>}``: the fence of a holder that has not released (a
   day); present while the lease is not, it means "taken over";
-- ``{prefix}run-fence:{<task_id>}``: the job's fence counter (a day after last use). A
-  new counter starts at the server's clock in microseconds, so a counter that expired
-  or was lost (a flush, a failover) never hands out a token below an older one.
+- ``{prefix}run-fence:{<task_id>}``: the job's fence counter. A new counter starts at
+  the server's clock in microseconds, so a counter that expired or was deleted never
+  hands out a token below an older one: each token costs a script call, which takes
+  the server more than a microsecond, so a counter grows slower than the clock.
+
+All three are deleted by the release that ends an execution, in one script: a
+finished job leaves nothing. A later delivery of the same job (a retry, a deferral, a
+duplicate) starts a new counter, above every token the old one gave. Only an execution
+that never released (its process killed, its Redis unreachable at the end) leaves its
+marker and counter, for ``HELD_MARKER_TTL`` at most: the next delivery of that job takes
+over and releases them, so they number the crashes, not the jobs.
 """
 
 from __future__ import annotations
@@ -95,14 +103,18 @@ return {fence, previous}
 """,
 )
 
-# KEYS[1] - the lease   KEYS[2] - the marker   ARGV[1] - the holder's fence
-# return 1 if released, 0 if it was no longer ours
+# KEYS[1] - the lease   KEYS[2] - the marker   KEYS[3] - the job's fence counter
+# ARGV[1] - the holder's fence
+# return 1 if released (the three keys deleted), 0 if it was no longer ours
+# The counter goes with the lease: no execution of the job holds a token any more (an
+# earlier holder that never released was taken over, and its marker is this one's),
+# and a counter made again starts at the server's clock, above every token it gave.
 RELEASE = Script(
     "execution_lease_release",
     """
 local value = redis.call('get', KEYS[2])
 if value and string.match(value, '^(%d+)|') == ARGV[1] then
-    redis.call('del', KEYS[1], KEYS[2])
+    redis.call('del', KEYS[1], KEYS[2], KEYS[3])
     return 1
 end
 return 0
@@ -241,6 +253,7 @@ def release(task_id: str, fence: int, *, client: Any | None = None) -> bool:
     conn = client or redis_state.client()
     head = redis_state.prefix()  # one settings read per job, not one per key
     keys = [lease_key(task_id, prefix=head), marker_key(task_id, prefix=head)]
+    keys.append(fence_key(task_id, prefix=head))
     released = bool(call(conn, RELEASE, keys, [fence]))
     if not released:
         logger.warning(

@@ -17,10 +17,17 @@ refused by the lock it set itself.
 
 State in Redis, per lock, with the lock's name as the hash tag (one Redis Cluster slot):
 a string ``{prefix}lock:{<name>}`` holding ``<token>|0|<acquired_ms>|<owner>`` with
-the TTL, and a counter ``{prefix}fence:{<name>}`` that outlives it. A counter
-that does not exist yet starts at the server's clock in microseconds, not at 0, so a
-counter that was lost (a flush, a failover to a replica that never had it) never
-hands out a token below one already written with ``fenced_update``.
+the TTL, and a counter ``{prefix}fence:{<name>}`` given the same TTL by every
+acquisition and extension: it expires when no lock of that name can be alive. A
+counter that does not exist starts at the server's clock in microseconds, not at 0,
+so a counter that expired or was lost (a flush, a failover to a replica that never
+had it) never hands out a token below one already handed out and written with
+``fenced_update``: each token costs a script call, which takes the server more than a
+microsecond, so a counter grows slower than the clock it started from. (What that
+assumes: the server's clock does not step back by more than the time since the old
+counter started.) A name's state is gone once its lock has expired or been released
+and its TTL has passed; counters written by versions before the expiry have none, and
+get one at their name's next acquisition.
 
 While the lock exists its holder's fence is the counter's value: only an acquisition
 that set the lock increments it. So the value does not carry the fence (building that
@@ -54,7 +61,7 @@ logger = job_log.get_logger("celery_explicit.locks")
 # compare; the client writes all of it, so taking the lock is one SET NX PX.
 
 # KEYS[1] - the lock
-# KEYS[2] - the fencing counter (never expires; started at the server clock in us)
+# KEYS[2] - the fencing counter (started at the server clock in us; expires with the lock)
 # ARGV[1] - the lock's value: "<token>|0|<acquired_ms>|<owner>"
 # ARGV[2] - ttl in milliseconds
 # return the new fencing token if acquired, otherwise false; the counter's error, with
@@ -78,7 +85,9 @@ local fence = redis.pcall('incr', KEYS[2])
 if type(fence) == 'table' and fence.err then
     -- A counter that is not one (WRONGTYPE): no lock held by a token nobody has.
     redis.call('del', KEYS[1])
+    return fence
 end
+redis.call('pexpire', KEYS[2], ARGV[2])
 return fence
 """,
 )
@@ -97,7 +106,7 @@ return 0
 """,
 )
 
-# KEYS[1] - the lock
+# KEYS[1] - the lock   KEYS[2] - the fencing counter (extended with the lock)
 # ARGV[1] - owner token
 # ARGV[2] - new ttl in milliseconds, counted from now
 # return 1 if extended, otherwise 0
@@ -106,6 +115,7 @@ EXTEND = Script(
     """
 local value = redis.call('get', KEYS[1])
 if value and string.sub(value, 1, 32) == ARGV[1] then
+    redis.call('pexpire', KEYS[2], ARGV[2])
     return redis.call('pexpire', KEYS[1], ARGV[2])
 end
 return 0
@@ -205,7 +215,7 @@ class LeaseLock:
             )
         else:
             ttl_ms = _ms(ttl)
-        if not call(self.client, EXTEND, [self.key], [token, ttl_ms]):
+        if not call(self.client, EXTEND, [self.key, self.fence_key], [token, ttl_ms]):
             self.token = None
             self._lost("extend", token)
 

@@ -19,9 +19,19 @@ retries its next attempt must come within the gap. A straggler that arrives afte
 was skipped still runs: guard such writes with a version (``versioned_update``).
 
 State in Redis (``EXPLICIT_REDIS_URL``), per key, with the key as the hash tag (one
-Redis Cluster slot), expiring a week after last use: ``{prefix}order:{<key>}:published``
-(last number given), ``:next`` (whose turn), ``:skipped`` (numbers given back),
-``:waiting`` (since when the turn has not moved), ``:alive`` (the turn holder's task id).
+Redis Cluster slot): ``{prefix}order:{<key>}:published`` (last number given), ``:next``
+(whose turn), ``:skipped`` (numbers given back), ``:waiting`` (since when the turn has
+not moved), ``:alive`` (the turn holder's task id, for its lease).
+
+How long it lives. While an entity has jobs to come, each key expires ``STATE_TTL`` (a
+week) after its last use. When the last job given a number ends for good, the entity
+is idle: ``:skipped`` and ``:waiting`` are deleted, and ``:published`` and ``:next``
+expire ``IDLE_TTL`` (a day) later. Until then a late copy of a finished job (a
+redelivery) finds its number behind the turn and runs at once, as before. After it, the
+entity's state is gone, and that is the state of an entity never seen: the next job
+published gets number 1 and runs. A copy of a job from before arriving after the
+horizon counts as a job whose predecessors never came (it waits out the gap, then
+runs): guard its write with a version (``versioned_update``), as for any straggler.
 """
 
 from __future__ import annotations
@@ -80,7 +90,12 @@ def declared(
 #: Message headers: the rendered key and the job's number in it.
 KEY_HEADER = "explicit_ordering_key"
 SEQ_HEADER = "explicit_ordering_seq"
+#: Seconds an entity's state lives after its last use while it has jobs to come.
 STATE_TTL = 7 * 24 * 3600
+#: Seconds an idle entity (every number given has had its turn) keeps its counters:
+#: longer than any late copy of a finished job takes to arrive (a redelivery comes
+#: within the broker's backstop ``visibility_timeout``, an hour by default).
+IDLE_TTL = 24 * 3600
 
 # KEYS[1] - published counter
 # ARGV[1] - state ttl (s)
@@ -143,11 +158,15 @@ return {0, nxt}
 )
 
 # KEYS[1] - next   KEYS[2] - waiting since   KEYS[3] - skipped set   KEYS[4] - alive
+# KEYS[5] - published counter
 # ARGV[1] - this job's number   ARGV[2] - ttl   ARGV[3] - this job's task id
+# ARGV[4] - idle ttl (s): how long an entity with no job left keeps its state
 # return 1 if the turn passed on, 0 if it was not this job's turn
 # The turn passes on only from the job that holds it. A job that ended for good before
 # its turn (bad input, the delivery limit, a dedup drop) gives its number back, so the
-# jobs behind it do not wait for it.
+# jobs behind it do not wait for it. When the turn passes beyond the last number given,
+# the entity is idle: its skipped numbers are all behind the turn (dropped) and its two
+# counters keep the idle ttl, to place a late copy of a job that already ran.
 DONE = Script(
     "ordering_done",
     """
@@ -157,8 +176,14 @@ end
 local nxt = tonumber(redis.call('get', KEYS[1]) or '1')
 local seq = tonumber(ARGV[1])
 if seq == nxt then
-    redis.call('set', KEYS[1], nxt + 1, 'EX', ARGV[2])
     redis.call('del', KEYS[2])
+    if nxt + 1 > tonumber(redis.call('get', KEYS[5]) or '0') then
+        redis.call('set', KEYS[1], nxt + 1, 'EX', ARGV[4])
+        redis.call('expire', KEYS[5], ARGV[4])
+        redis.call('del', KEYS[3])
+        return 1
+    end
+    redis.call('set', KEYS[1], nxt + 1, 'EX', ARGV[2])
     return 1
 end
 if seq > nxt then
@@ -289,7 +314,8 @@ def done(key: str, seq: int, *, task_id: str = "", client: Any | None = None) ->
     conn = client or redis_state.client()
     names = _keys(key)
     keys = [names["next"], names["waiting"], names["skipped"], names["alive"]]
-    return bool(call(conn, DONE, keys, [seq, STATE_TTL, task_id]))
+    keys.append(names["published"])
+    return bool(call(conn, DONE, keys, [seq, STATE_TTL, task_id, IDLE_TTL]))
 
 
 def release_alive(key: str, task_id: str, *, client: Any | None = None) -> bool:

@@ -20,6 +20,20 @@ trip, ``call_many``. This module decides how they run:
 Both are sent with ``execute_command``: one round trip on the common path, never the
 ``SCRIPT EXISTS`` that redis-py's ``Script`` object adds in a pipeline.
 
+Libraries of old versions are removed. Functions are global on a server and every
+version loads its own library, so a deploy a day would leave hundreds. Each process that
+loads its library registers it in the sorted set ``{prefix}libraries`` (member: the
+library's name, score: the server's clock), again at most every ``LIBRARY_HEARTBEAT``
+seconds from the worker's heartbeat (``call_many``); then it deletes every library of
+that set not registered for ``LIBRARY_HORIZON`` seconds, its own excepted. Replacing
+one fixed library in place instead would be wrong during a rolling deploy: the old
+workers would then call the new version's code, or fail on a function it renamed. A
+library deleted while a process of its version still runs (one that made no call for
+the horizon) costs that process one load: its next call finds the function missing and
+loads it again, as after a ``FUNCTION FLUSH``. Only libraries registered in the same
+set are removed, never one of another prefix or database; libraries loaded by versions
+from before the register are not in it (docs/howto/small-state.md removes them).
+
 Redis Cluster: every key a script touches is passed in ``KEYS``, and the keys of one
 call share a hash tag (``tagged``), so each call lands on one slot.
 """
@@ -28,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +50,8 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
-from celery_explicit import job_log
+from celery_explicit import job_log, redis_state
+from celery_explicit.redis_state import text
 
 logger = job_log.get_logger("celery_explicit.redis_scripts")
 
@@ -43,6 +59,11 @@ logger = job_log.get_logger("celery_explicit.redis_scripts")
 #: without the permission gets NoPermissionError, which is kept to scripts as well.
 _NO_FUNCTIONS = ("unknown command", "unknown subcommand")
 _LIBRARY_PREFIX = "celery_explicit"
+#: Seconds between two registrations of a worker's library (its heartbeat).
+LIBRARY_HEARTBEAT = 600.0
+#: Seconds after its last registration a library is removed: no process of its version
+#: has registered it for this long (a day: many heartbeats, and a deploy's overlap).
+LIBRARY_HORIZON = 24 * 3600.0
 
 
 #: Lua that sets ``now_ms``: the server's clock, in milliseconds. A script that compares
@@ -205,6 +226,9 @@ def call_many(conn: Any, calls: Sequence[tuple[Script, Sequence[Any], Sequence[A
     """
     lib = library()
     functions = _uses_functions(conn, lib)
+    if functions:
+        # The worker's heartbeat comes through here: it keeps its library registered.
+        _heartbeat(conn, lib)
     replies: list[Any] = []
     for attempt in range(2):
         pipe = conn.pipeline(transaction=False)
@@ -247,7 +271,9 @@ def _missing_function(exc: ResponseError) -> bool:
 
 
 def _load(conn: Any, lib: Library) -> bool:
-    """Load the library through ``conn``; False when scripts must stand in for it."""
+    """Load the library through ``conn``; False when scripts must stand in for it.
+    Loaded, it is registered, and the libraries no process registered for the horizon
+    are removed."""
     loaded: str | bool = lib.name
     try:
         conn.execute_command("FUNCTION", "LOAD", "REPLACE", lib.code)
@@ -260,4 +286,65 @@ def _load(conn: Any, lib: Library) -> bool:
         logger.info("Redis functions unavailable (%s): our Lua runs as scripts", exc)
         loaded = False
     _remember(conn, loaded)
+    if loaded is not False:
+        remove_stale_libraries(conn, keep=lib.name)
     return loaded is not False
+
+
+def libraries_key() -> str:
+    """The sorted set of our libraries, scored by when a process last registered each."""
+    return f"{redis_state.prefix()}libraries"
+
+
+# Per client (by id, as ``_clients``): when this process last registered its library
+# there (monotonic seconds).
+_registered: dict[int, float] = {}
+
+
+def _heartbeat(conn: Any, lib: Library) -> None:
+    """Register ``lib`` again if this process has not for ``LIBRARY_HEARTBEAT``."""
+    last = _registered.get(id(conn))
+    if last is None or time.monotonic() - last >= LIBRARY_HEARTBEAT:
+        register(conn, lib.name)
+
+
+def register(conn: Any, name: str) -> list[tuple[str, float]]:
+    """Record, on the server's clock, that a process of library ``name``'s version
+    runs; every library of the set with the seconds since its registration.
+
+    A user that may not write the set (an ACL) only loses the clean-up: logged."""
+    now = server_time(conn)
+    _registered[id(conn)] = time.monotonic()
+    pipe = conn.pipeline(transaction=False)
+    pipe.zadd(libraries_key(), {name: now})
+    pipe.zrangebyscore(libraries_key(), "-inf", now, withscores=True)
+    try:
+        _added, found = pipe.execute()
+    except ResponseError as exc:
+        logger.warning("could not register Redis function library %s: %s", name, exc)
+        return []
+    return [(text(other), now - float(score)) for other, score in found]
+
+
+def remove_stale_libraries(conn: Any, *, keep: str, horizon: float = LIBRARY_HORIZON) -> list[str]:
+    """Register ``keep``, then delete the libraries of ``libraries_key()`` not
+    registered for ``horizon`` seconds; the names removed.
+
+    A library registered again between the read and its deletion is deleted anyway:
+    its processes load it again at their next call (the function is missing)."""
+    removed: list[str] = []
+    for name, idle in register(conn, keep):
+        if idle < horizon or name == keep or not name.startswith(f"{_LIBRARY_PREFIX}_"):
+            continue
+        try:
+            conn.execute_command("FUNCTION", "DELETE", name)
+        except NoPermissionError as exc:
+            logger.warning("could not remove Redis function library %s: %s", name, exc)
+            return removed
+        except ResponseError as exc:
+            if "not found" not in str(exc).lower():
+                raise
+        conn.zrem(libraries_key(), name)
+        removed.append(name)
+        logger.info("removed Redis function library %s: not registered for %.0fs", name, idle)
+    return removed
