@@ -660,3 +660,6 @@ class BookStock(ExplicitTask):
 
 
 app.register_task(BookStock())
+
+# The redaction test's tasks (tests/integration/test_redaction_paths.py).
+from tests.testapp import tasks_redaction as _redaction_tasks  # noqa: E402, F401
