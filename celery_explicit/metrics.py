@@ -10,131 +10,237 @@ With the prefork pool every child counts in its own memory: the worker's endpoin
 (``celery_explicit.worker_metrics``, ``EXPLICIT_WORKER_METRICS_PORT``) switches these
 metrics to prometheus_client's multiprocess files at worker start, before the pool
 forks, and serves the merged view.
+
+Every series lives for the process's life (and, merged, for the worker's), so a label
+value must come from a set the code fixes, never from a message: anyone who can
+publish could otherwise create series without end. Each metric below checks its
+``task`` and ``lock`` labels as they are set, whoever sets them:
+
+- ``task``: a task registered in the Celery app, else ``unknown``. A message for a
+  task no worker knows (Celery's ``task_unknown``), or rejected before it ran, names
+  its task in its headers: that name is the sender's word.
+- ``lock``: the lock's family, the name up to its first ``:``
+  (``celery_explicit.locks``); a process keeps the first ``MAX_LOCK_FAMILIES`` it
+  sees, later ones count as ``other``. A name without ``:`` is its own family, so a
+  lock named per entity without one would otherwise be a series per entity.
+
+The other labels are words of ``celery_explicit.outcomes`` or of this module, queue
+names from the worker's own configuration, downstream names from declarations, and
+exception class names from the handlers' code.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Self
 
-executions = Counter(
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+from celery_explicit.conf import settings
+
+logger = logging.getLogger("celery_explicit.metrics")
+
+#: The ``task`` label of a name the app has not registered.
+UNKNOWN_TASK = "unknown"
+#: The ``lock`` label once a process has seen ``MAX_LOCK_FAMILIES`` families.
+OTHER_LOCKS = "other"
+#: Lock families a process labels by name; an application has a handful.
+MAX_LOCK_FAMILIES = 64
+
+
+def task_label(name: Any) -> str:
+    """``name`` if the Celery app has registered a task by it, else ``unknown``."""
+    if isinstance(name, str) and name in settings.celery_app().tasks:
+        return name
+    return UNKNOWN_TASK
+
+
+_lock_families: set[str] = set()
+_lock_families_mutex = threading.Lock()
+
+
+def lock_label(family: Any) -> str:
+    """``family`` while this process has seen fewer than ``MAX_LOCK_FAMILIES``, else
+    ``other`` (said once, naming the first family refused)."""
+    name = str(family)
+    with _lock_families_mutex:
+        if name in _lock_families:
+            return name
+        if len(_lock_families) < MAX_LOCK_FAMILIES:
+            _lock_families.add(name)
+            return name
+        first_refused = OTHER_LOCKS not in _lock_families
+        _lock_families.add(OTHER_LOCKS)
+    if first_refused:
+        logger.warning(
+            "lock metrics: more than %d lock families in this process; lock %r and later "
+            "new ones are labelled %r. Name locks <family>:<id> (a name without ':' is its "
+            "own family)",
+            MAX_LOCK_FAMILIES,
+            name,
+            OTHER_LOCKS,
+        )
+    return OTHER_LOCKS
+
+
+#: The labels whose values are checked as they are set, and how.
+BOUNDED_LABELS: dict[str, Callable[[Any], str]] = {"task": task_label, "lock": lock_label}
+
+
+class _Bounded(MetricWrapperBase):
+    """A metric whose ``task`` and ``lock`` label values go through ``BOUNDED_LABELS``.
+
+    ``labels()`` is where every value enters a metric (prometheus_client creates each
+    series there), so callers cannot forget it."""
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Self:
+        names = self._labelnames
+        if labelkwargs:
+            labelkwargs = {n: _bounded(n, v) for n, v in labelkwargs.items()}
+        elif len(labelvalues) == len(names):
+            labelvalues = tuple(_bounded(n, v) for n, v in zip(names, labelvalues, strict=True))
+        return super().labels(*labelvalues, **labelkwargs)
+
+
+def _bounded(name: str, value: Any) -> Any:
+    check = BOUNDED_LABELS.get(name)
+    return value if check is None else check(value)
+
+
+class _Counter(_Bounded, Counter):
+    pass
+
+
+class _Histogram(_Bounded, Histogram):
+    pass
+
+
+class _Gauge(_Bounded, Gauge):
+    pass
+
+
+executions = _Counter(
     "explicit_executions_total",
     "Executions of a handler (execution layer), by how they ended.",
     ["task", "outcome"],
 )
-effects_applied = Counter(
+effects_applied = _Counter(
     "explicit_effects_applied_total",
     "Effects committed with their ledger row (effect layer).",
     ["task"],
 )
-idempotency_conflicts = Counter(
+idempotency_conflicts = _Counter(
     "explicit_idempotency_conflicts_total",
     "Executions that found their key already in the ledger (effect layer). "
     "kind=duplicate: same arguments, absorbed; kind=arguments: other arguments, "
     "dead-lettered.",
     ["task", "kind"],
 )
-retries_scheduled = Counter(
+retries_scheduled = _Counter(
     "explicit_retries_scheduled_total",
     "Retries scheduled after a retryable error (execution layer).",
     ["task", "error_class"],
 )
-dead_letters = Counter(
+dead_letters = _Counter(
     "explicit_dead_letters_total",
     "Messages dead-lettered, by reason (delivery or execution layer).",
     ["task", "reason"],
 )
 #: Buckets up to 15 min: a job's p99 must land in a bucket, not in +Inf.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
-attempt_duration_seconds = Histogram(
+attempt_duration_seconds = _Histogram(
     "explicit_attempt_duration_seconds",
     "Wall time of one attempt of a handler, bookkeeping included (the processing time: "
     "p50/p95/p99 by histogram_quantile).",
     ["task"],
     buckets=DURATION_BUCKETS,
 )
-queue_wait_seconds = Histogram(
+queue_wait_seconds = _Histogram(
     "explicit_queue_wait_seconds",
     "Seconds from a message's publish (its explicit_sent_at header) to the start of an "
     "attempt (delivery layer): how long jobs wait in the queue.",
     ["task"],
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600),
 )
-attempts_per_job = Histogram(
+attempts_per_job = _Histogram(
     "explicit_attempts_per_job",
     "Attempts a job took, observed once at its final outcome (applied, succeeded, "
     "dead-lettered): 1 is a job that never retried (execution layer).",
     ["task"],
     buckets=(1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 50),
 )
-lock_wait_seconds = Histogram(
+lock_wait_seconds = _Histogram(
     "explicit_lock_wait_seconds",
     "Time spent waiting to acquire a lease lock, by lock family (name up to ':').",
     ["lock"],
 )
-lock_not_acquired = Counter(
+lock_not_acquired = _Counter(
     "explicit_lock_not_acquired_total",
     "Acquisitions that gave up after their bounded wait.",
     ["lock"],
 )
-locks_lost = Counter(
+locks_lost = _Counter(
     "explicit_locks_lost_total",
     "Release or extend attempted by a holder whose lock had expired or been taken.",
     ["lock", "action"],
 )
-dedup_dropped = Counter(
+dedup_dropped = _Counter(
     "explicit_dedup_dropped_total",
     "Messages dropped because another message owns their dedup id (delivery layer), "
     "at publish or at delivery.",
     ["task", "stage"],
 )
-lease_extensions = Counter(
+lease_extensions = _Counter(
     "explicit_lease_extensions_total",
     "Times a held message's lease (per-task visibility timeout) was moved forward.",
     ["task"],
 )
-key_mismatches = Counter(
+key_mismatches = _Counter(
     "explicit_key_mismatch_total",
     "Jobs whose published idempotency key differs from the key this worker rendered "
     "(the key template changed between publish and run): checked under both.",
     ["task"],
 )
-database_outage_deferrals = Counter(
+database_outage_deferrals = _Counter(
     "explicit_database_outage_deferrals_total",
     "Jobs deferred because the database could not be written (execution layer), by "
     "cause: connection, read_only, shutdown, starting, resources. Not counted as "
     "retries, never dead-lettered for it.",
     ["task", "cause"],
 )
-unreadable_messages = Counter(
+unreadable_messages = _Counter(
     "explicit_unreadable_messages_total",
     "Messages taken off a queue that name no delivery tag (not a kombu envelope), "
     "moved to explicit:unreadable:<queue> on the broker instead of being dropped (Redis).",
     ["queue"],
 )
-stale_acks_withheld = Counter(
+stale_acks_withheld = _Counter(
     "explicit_stale_acks_withheld_total",
     "Acks, rejects and restores of a delivery another worker holds now (a stale copy "
     "after a takeover), left without touching the broker's record of it (Redis).",
     ["action"],
 )
-drain_releases = Counter(
+drain_releases = _Counter(
     "explicit_drain_released_total",
     "Messages a worker in warm shutdown gave back at once because no pool process had "
     "started them (Redis broker).",
     ["task"],
 )
-lease_not_extended = Counter(
+lease_not_extended = _Counter(
     "explicit_lease_not_extended_total",
     "Leases deliberately left to run out, by reason (a stopped pool child).",
     ["task", "reason"],
 )
-downstream_deferred = Counter(
+downstream_deferred = _Counter(
     "explicit_downstream_deferred_total",
     "Executions deferred by a downstream's limits, by reason: open (breaker open), "
     "probing (another execution is the probe), busy (concurrency limit).",
     ["downstream", "reason"],
 )
-breaker_open = Gauge(
+breaker_open = _Gauge(
     "explicit_breaker_open",
     "1 while a downstream's circuit breaker is open, as last seen by any process.",
     ["downstream"],
@@ -142,7 +248,7 @@ breaker_open = Gauge(
     # "max" would keep a dead child's 1 forever.
     multiprocess_mode="mostrecent",
 )
-redeliveries = Counter(
+redeliveries = _Counter(
     "explicit_redeliveries_total",
     "Messages the broker delivered again (delivery layer; retries are not counted), by "
     "cause: lease_expired (the execution lease ran out: a stopped or dead worker on "
@@ -150,23 +256,23 @@ redeliveries = Counter(
     "execution held it: a connection loss after the end, a requeue).",
     ["task", "cause"],
 )
-concurrent_executions_deferred = Counter(
+concurrent_executions_deferred = _Counter(
     "explicit_concurrent_executions_deferred_total",
     "Deliveries deferred because another live execution of the same job holds its "
     "execution lease (delivery layer).",
     ["task"],
 )
-fenced_commits = Counter(
+fenced_commits = _Counter(
     "explicit_fenced_commits_total",
     "Effects refused at commit: the execution had lost its lease to a newer one (effect layer).",
     ["task"],
 )
-ordering_deferred = Counter(
+ordering_deferred = _Counter(
     "explicit_ordering_deferred_total",
     "Deliveries deferred because an earlier job of the same entity has not ended (delivery layer).",
     ["task"],
 )
-ordering_skipped = Counter(
+ordering_skipped = _Counter(
     "explicit_ordering_skipped_total",
     "Times a job went ahead after the jobs before it in its entity never came within "
     "ordering_gap (delivery layer).",

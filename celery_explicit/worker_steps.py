@@ -7,6 +7,9 @@
   ``Consumer.on_decode_error`` then logs it and acks it, and the message is gone. The
   step wraps that method so the message becomes a dead letter (reason ``bad_input``,
   raw body kept) before the ack.
+- ``ArchiveDeadChildMetrics`` (below): the worker's metrics files of a pool child
+  that exited are folded into one archive (``celery_explicit.worker_metrics``), in the
+  parent, so ``max_tasks_per_child`` does not grow the metrics directory.
 - ``RefuseMisshapen`` (below): Celery's task handler reads the task name and the
   decoded body in the main process before any request exists (``'args' in
   message.payload``); a body that decodes to a number or to bytes raised TypeError
@@ -135,6 +138,32 @@ def _too_deep(message: Any) -> str | None:
     )
 
 
+class ArchiveDeadChildMetrics(bootsteps.StartStopStep):
+    label = "celery_explicit: fold a dead pool child's metrics files into the archive"
+
+    def register_with_event_loop(self, parent: Any, hub: Any) -> None:
+        # Celery sends no signal in the parent when a pool child exits
+        # (worker_process_shutdown runs in the child, and not at all in one that was
+        # killed). billiard's pool calls its ``on_process_down(proc)`` for each child
+        # it has joined, before it forks the replacement (billiard/pool.py,
+        # Pool._join_exited_workers); Celery's AsynPool sets that attribute each time
+        # the worker registers with its event loop (celery/concurrency/asynpool.py,
+        # _create_process_handlers), just before the consumer's steps register
+        # (celery/worker/loops.py, asynloop): wrapped here, after it is set.
+        # tests/integration/test_metrics_bounded.py fails if this stops being called.
+        pool: Any = getattr(getattr(parent, "pool", None), "_pool", None)
+        process_down = getattr(pool, "on_process_down", None)
+        if process_down is None:
+            return  # not prefork: no children
+
+        def on_process_down(proc: Any) -> None:
+            process_down(proc)
+            if proc.pid is not None:
+                worker_metrics.on_child_exit(proc.pid)
+
+        pool.on_process_down = on_process_down
+
+
 def install(app: Any) -> None:
     """Add our consumer steps to ``app`` (once per app), and the start-up check."""
     if app in _installed:
@@ -142,6 +171,7 @@ def install(app: Any) -> None:
     app.steps["consumer"].add(RecordUndecodable)
     app.steps["consumer"].add(RefuseMisshapen)
     app.steps["consumer"].add(LeaseKeeper)
+    app.steps["consumer"].add(ArchiveDeadChildMetrics)
     _installed.add(app)
     # Versions first: on an untested Celery the checks themselves may not be trustworthy.
     signals.worker_init.connect(refuse_untested_versions, dispatch_uid=__name__ + ".versions")
@@ -153,9 +183,6 @@ def install(app: Any) -> None:
     signals.worker_ready.connect(worker_metrics.on_worker_ready, dispatch_uid=__name__ + ".m")
     # Each task's key template, and a warning for one renamed since the last start.
     signals.worker_ready.connect(key_history.on_worker_ready, dispatch_uid=__name__ + ".keys")
-    signals.worker_process_shutdown.connect(
-        worker_metrics.on_worker_process_shutdown, dispatch_uid=__name__ + ".m"
-    )
     # A prefork child runs one job at a time: its Redis client keeps one connection.
     signals.worker_process_init.connect(
         redis_state.one_job_at_a_time, dispatch_uid=__name__ + ".redis"

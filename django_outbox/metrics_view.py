@@ -9,7 +9,13 @@ aggregate over the dead letters, one over the pending outbox events (both throug
 their indexes), and one passive declare per queue.
 
 Turned on by ``EXPLICIT_METRICS_TOKEN``: unset, the view answers 404; a request
-without ``Authorization: Bearer <token>`` gets 401, a wrong token 403. It is routed
+without ``Authorization: Bearer <token>`` gets 401, a wrong token 403.
+
+A broker that cannot be reached is a scrape without its gauges and
+``explicit_metrics_source_up{source="broker"} 0``. A source that answers with a
+refusal (Redis: an ACL without the permission, a wrong password, any error reply;
+the database: any ``DatabaseError``) is a 503 naming the source and the error, and
+one log line: a scrape that fails says so instead of answering 500. It is routed
 under the admin (``/admin/django_outbox/dashboard/metrics/``, by ``DashboardAdmin``,
 outside the admin's login) and importable for a route of your own (``metrics_view``).
 No label carries an argument, a payload or an idempotency key: reasons, queue names.
@@ -17,7 +23,7 @@ No label carries an argument, a payload or an idempotency key: reasons, queue na
 
 from __future__ import annotations
 
-import hmac
+import logging
 from collections.abc import Iterable, Iterator
 
 from django.db import DatabaseError
@@ -30,12 +36,19 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+from redis.exceptions import AuthenticationError, AuthorizationError, RedisError, ResponseError
 
+from celery_explicit.worker_metrics import bearer_refusal
 from django_outbox import queues
 from django_outbox.conf import settings
 from django_outbox.models import DeadLetter, DeadLetterReason, DeadLetterStatus, OutboxEvent
 
 __all__ = ["StoredStateCollector", "metrics_view"]
+
+logger = logging.getLogger("django_outbox.metrics_view")
+#: Redis errors that are an answer, not a lost connection: kombu wraps some of them in
+#: its OperationalError (a wrong password is a redis ConnectionError).
+REDIS_REFUSALS = (ResponseError, AuthenticationError, AuthorizationError)
 
 
 @require_GET
@@ -44,18 +57,30 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     token = settings.metrics_token
     if not token:
         raise Http404("EXPLICIT_METRICS_TOKEN is not set")
-    given = request.headers.get("Authorization", "")
-    if not given:
-        response = HttpResponse("a bearer token is required\n", status=401)
-        response["WWW-Authenticate"] = "Bearer"
+    refused = bearer_refusal(request.headers.get("Authorization", ""), token)
+    if refused is not None:
+        status, text = refused
+        response = HttpResponse(text, status=status, content_type="text/plain")
+        if status == 401:
+            response["WWW-Authenticate"] = "Bearer"
         return response
-    # Constant time: the comparison must not tell a caller how much of it was right.
-    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-        return HttpResponse("wrong token\n", status=403)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoredStateCollector())
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-    return HttpResponse(encoder(registry), content_type=content_type)
+    try:
+        body = encoder(registry)
+    except SourceRefused as exc:
+        logger.error("metrics scrape failed: %s", exc)
+        return HttpResponse(f"{exc}\n", status=503, content_type="text/plain")
+    return HttpResponse(body, content_type=content_type)
+
+
+class SourceRefused(Exception):
+    """A source of the scrape answered with an error (internal: the view's 503)."""
+
+    def __init__(self, source: str, error: BaseException) -> None:
+        super().__init__(f"the {source} refused the metrics query: {type(error).__name__}: {error}")
+        self.source = source
 
 
 class StoredStateCollector(Collector):
@@ -69,16 +94,34 @@ class StoredStateCollector(Collector):
             labels=["source"],
         )
         try:
-            yield from _database_gauges()
-            up.add_metric(["database"], 1)
-        except DatabaseError:
-            up.add_metric(["database"], 0)
+            database = _database_gauges()
+        except DatabaseError as exc:
+            raise SourceRefused("database", exc) from exc
+        yield from database
+        up.add_metric(["database"], 1)
         try:
-            yield from _queue_gauges(queues.queue_states(settings.celery_app()))
-            up.add_metric(["broker"], 1)
-        except (OperationalError, OSError):
+            states = queues.queue_states(settings.celery_app())
+        except RedisError as exc:
+            raise SourceRefused("broker", exc) from exc
+        except (OperationalError, OSError) as exc:
+            refusal = _redis_refusal(exc)
+            if refusal is not None:
+                raise SourceRefused("broker", refusal) from exc
             up.add_metric(["broker"], 0)
+        else:
+            yield from _queue_gauges(states)
+            up.add_metric(["broker"], 1)
         yield up
+
+
+def _redis_refusal(exc: BaseException) -> BaseException | None:
+    """The Redis refusal behind a connection error kombu raised, if one is."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, REDIS_REFUSALS):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _database_gauges() -> list[Metric]:

@@ -7,13 +7,25 @@ They count in the relay's process (``manage.py outbox_relay``), not a worker's. 
 outbox's lag as an operator alerts on it (the oldest pending event's age, rising
 whether or not a relay runs) is read from the table by ``django_outbox.metrics_view``;
 ``publish_lag`` here is insert-to-publish, for the events that were published.
+
+``serve`` is the relay's port (``EXPLICIT_RELAY_METRICS_PORT``), served as a worker's:
+on ``EXPLICIT_WORKER_METRICS_BIND`` (127.0.0.1 unless opened), behind
+``EXPLICIT_METRICS_TOKEN`` when it is set.
+
+Labels: ``task`` is an outbox row's task name, which ``django_outbox.dispatch``
+writes from a task object of the application's code (never from a message);
+``error_class`` and ``reason`` come from the code too.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Histogram
+
+from celery_explicit import worker_metrics
+from django_outbox.conf import settings
 
 __all__ = [
+    "serve",
     "outbox_published",
     "publish_lag",
     "publish_failed",
@@ -54,3 +66,11 @@ broker_unavailable = Counter(
     "Batches the relay could not publish because the broker was unreachable; it "
     "backs off and publishes them later.",
 )
+
+
+def serve(port: int) -> str:
+    """Serve this process's metrics on ``port``; the address served. Raises OSError
+    when it cannot listen."""
+    bind = settings.worker_metrics_bind
+    worker_metrics.serve(REGISTRY, port=port, bind=bind)
+    return f"http://{bind}:{port}/metrics"

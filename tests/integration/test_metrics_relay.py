@@ -32,7 +32,7 @@ def test_the_relay_serves_what_it_published(start_relay, redis_client, queue) ->
 
     port = free_port()
     relay = start_relay("--metrics-port", str(port))
-    assert f"relay metrics on http://0.0.0.0:{port}/metrics" in relay.log()
+    assert f"relay metrics on http://127.0.0.1:{port}/metrics" in relay.log()
     with transaction.atomic():
         for i in range(3):
             dispatch(

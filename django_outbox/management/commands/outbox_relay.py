@@ -98,11 +98,11 @@ class Command(BaseCommand):
         relay publishes anyway (its metrics are not worth a stopped outbox)."""
         if port <= 0:
             return
-        from prometheus_client import start_http_server
+        from django_outbox import relay_metrics
 
         try:
-            start_http_server(port)
+            address = relay_metrics.serve(port)
         except OSError as exc:
             self.stderr.write(f"relay metrics not served on port {port}: {exc}")
             return
-        self.stdout.write(f"relay metrics on http://0.0.0.0:{port}/metrics")
+        self.stdout.write(f"relay metrics on {address}")
