@@ -390,7 +390,7 @@ class Settings:
     #: credentials; "off": not read.
     rabbitmq_management_url: Setting[str] = Setting("", _text, check=_management_url)
 
-    #: *environment* The port a worker serves its pool's metrics on (all interfaces;
+    #: *environment* The port a worker serves its pool's metrics on (``worker_metrics_bind``;
     #: 0: off). Also read from the environment: two workers on one host need two ports.
     worker_metrics_port: Setting[int] = Setting(0, _int, env=True, at_least=0, at_most=65535)
     #: *environment* The worker's prometheus_client multiprocess directory, emptied at
@@ -421,7 +421,7 @@ class Settings:
     #: check`` computes (the longest time a copy of a job can still arrive).
     retain_ledger: Setting[float] = Setting(30 * 86400.0, _float, above=0)
 
-    #: The interface a worker's metrics port listens on (``worker_metrics_port``);
+    #: The interface the worker's and the relay's metrics ports listen on;
     #: "0.0.0.0" opens it to the network (then set ``EXPLICIT_METRICS_TOKEN``).
     worker_metrics_bind: Setting[str] = Setting("127.0.0.1", _text, env=True, check=_interface)
 
