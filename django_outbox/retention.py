@@ -73,6 +73,7 @@ from django.utils import timezone
 from django.utils.module_loading import autodiscover_modules
 
 from celery_explicit.errors import ContractError
+from django_outbox.checks import reads_settings
 from django_outbox.conf import settings
 from django_outbox.models import (
     Attempt,
@@ -373,6 +374,7 @@ def human(seconds: float) -> str:
 
 
 @checks.register("django_outbox")
+@reads_settings
 def check_retention(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[checks.CheckMessage]:
@@ -424,6 +426,7 @@ def _check_floor(seconds: float) -> list[checks.CheckMessage]:
 
 
 @checks.register("django_outbox", checks.Tags.database)
+@reads_settings
 def check_pruned(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[checks.CheckMessage]:
