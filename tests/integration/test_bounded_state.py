@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from celery_explicit import execution_lease, ordering, redis_scripts
+from celery_explicit import execution_lease, ordering, redis_scripts, redis_state
 from celery_explicit.locks import LeaseLock
 from tests.support.servers import PrivateRedis
 
 # --- lock fence counters ------------------------------------------------------------------
 
 
-def test_a_lock_fence_counter_expires_with_its_lock(redis_client, prefix) -> None:
+def test_a_lock_fence_counter_expires_with_its_lock(redis_client: redis.Redis, prefix: str) -> None:
     lock = LeaseLock(redis_client, f"rebuild:{uuid.uuid4().hex}", ttl=30.0, prefix=prefix)
     lock.acquire()
     counter_ttl = redis_client.pttl(lock.fence_key)
@@ -32,7 +32,9 @@ def test_a_lock_fence_counter_expires_with_its_lock(redis_client, prefix) -> Non
     assert redis_client.pttl(lock.fence_key) > 0  # never a counter without a TTL
 
 
-def test_a_recreated_lock_fence_counter_still_gives_a_larger_token(redis_client, prefix) -> None:
+def test_a_recreated_lock_fence_counter_still_gives_a_larger_token(
+    redis_client: redis.Redis, prefix: str
+) -> None:
     """The counter starts at the server's clock in microseconds, and a token costs a
     script call: after many acquisitions back to back, a counter that expired (deleted
     here) starts above every token the old one gave."""
@@ -48,7 +50,9 @@ def test_a_recreated_lock_fence_counter_still_gives_a_larger_token(redis_client,
         assert fence > tokens[-1]
 
 
-def test_a_recreated_job_fence_counter_still_gives_a_larger_token(redis_client) -> None:
+def test_a_recreated_job_fence_counter_still_gives_a_larger_token(
+    redis_client: redis.Redis,
+) -> None:
     """The release deletes a job's counter; its next execution gets a larger token."""
     task_id = uuid.uuid4().hex
     first = execution_lease.acquire(task_id, ttl=30.0, client=redis_client)
@@ -65,7 +69,7 @@ def test_a_recreated_job_fence_counter_still_gives_a_larger_token(redis_client) 
     assert execution_lease.release(task_id, second.fence, client=redis_client)
 
 
-def test_a_release_that_is_no_longer_ours_leaves_the_counter(redis_client) -> None:
+def test_a_release_that_is_no_longer_ours_leaves_the_counter(redis_client: redis.Redis) -> None:
     """A holder taken over keeps its hands off: the newer execution's counter stays."""
     task_id = uuid.uuid4().hex
     old = execution_lease.acquire(task_id, ttl=0.05, client=redis_client)
@@ -97,7 +101,7 @@ def _state(client: redis.Redis, key: str) -> dict[str, int]:
 
 
 def test_an_entity_with_jobs_to_come_keeps_its_state_for_the_long_horizon(
-    redis_client, key
+    redis_client: redis.Redis, key: str
 ) -> None:
     first, second = ordering.take_number(key), ordering.take_number(key)
     assert ordering.turn(key, first, "t1", gap=60, lease=5).run
@@ -109,7 +113,9 @@ def test_an_entity_with_jobs_to_come_keeps_its_state_for_the_long_horizon(
     assert ordering.done(key, second, task_id="t2")
 
 
-def test_an_idle_entity_keeps_two_counters_for_the_idle_horizon(redis_client, key) -> None:
+def test_an_idle_entity_keeps_two_counters_for_the_idle_horizon(
+    redis_client: redis.Redis, key: str
+) -> None:
     numbers = [ordering.take_number(key) for _ in range(3)]
     ordering.give_back(key, numbers[1])  # its publish failed
     assert ordering.turn(key, numbers[0], "t1", gap=60, lease=5).run
@@ -123,7 +129,7 @@ def test_an_idle_entity_keeps_two_counters_for_the_idle_horizon(redis_client, ke
     assert ordering.turn(key, numbers[0], "t1-copy", gap=60, lease=5).run
 
 
-def test_a_forgotten_entity_is_a_new_one(redis_client, key) -> None:
+def test_a_forgotten_entity_is_a_new_one(redis_client: redis.Redis, key: str) -> None:
     """After the horizon the state is gone: the next job gets number 1 and runs, as
     for an entity never seen."""
     seq = ordering.take_number(key)
@@ -154,7 +160,7 @@ def private_client(private_redis: Path) -> Iterator[redis.Redis]:
     client = redis.Redis(unix_socket_path=str(private_redis))
     yield client
     client.flushall()
-    client.execute_command("FUNCTION", "FLUSH")
+    client.execute_command("FUNCTION", "FLUSH")  # type: ignore[no-untyped-call]
     client.close()
 
 
@@ -163,18 +169,20 @@ def _library(name: str) -> str:
 
 
 def _libraries(client: redis.Redis) -> set[str]:
-    listed = client.execute_command("FUNCTION", "LIST")
+    listed = client.execute_command("FUNCTION", "LIST")  # type: ignore[no-untyped-call]
     return {
         (entry[1] if isinstance(entry, list) else entry[b"library_name"]).decode()
         for entry in listed
     }
 
 
-def test_a_library_nobody_registered_for_the_horizon_is_removed(private_client) -> None:
+def test_a_library_nobody_registered_for_the_horizon_is_removed(
+    private_client: redis.Redis,
+) -> None:
     now = redis_scripts.server_time(private_client)
     old, recent, unknown = (f"celery_explicit_{n}" for n in ("old000000000", "new0", "unk0"))
     for name in (old, recent, unknown):
-        private_client.execute_command("FUNCTION", "LOAD", _library(name))
+        private_client.execute_command("FUNCTION", "LOAD", _library(name))  # type: ignore[no-untyped-call]
     registry = redis_scripts.libraries_key()
     private_client.zadd(registry, {old: now - redis_scripts.LIBRARY_HORIZON - 60})
     private_client.zadd(registry, {recent: now - redis_scripts.LIBRARY_HORIZON + 600})
@@ -184,11 +192,13 @@ def test_a_library_nobody_registered_for_the_horizon_is_removed(private_client) 
         pass
     current = redis_scripts.library().name
     assert _libraries(private_client) == {current, recent, unknown}
-    registered = {n.decode() for n in private_client.zrange(registry, 0, -1)}
+    registered = {redis_state.text(n) for n in private_client.zrange(registry, 0, -1)}
     assert registered == {current, recent}  # one never registered is not ours to judge
 
 
-def test_a_live_version_whose_library_was_removed_loads_it_again(private_client) -> None:
+def test_a_live_version_whose_library_was_removed_loads_it_again(
+    private_client: redis.Redis,
+) -> None:
     """A process of a version idle past the horizon loses its library to another's
     clean-up: its next call loads it again and registers it."""
     with LeaseLock(private_client, "x", ttl=5.0).hold():
