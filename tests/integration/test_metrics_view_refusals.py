@@ -60,9 +60,7 @@ def use_broker(monkeypatch: Any, url: str) -> None:
 
 
 def refusal_lines(caplog: Any) -> list[str]:
-    return [
-        r.getMessage() for r in caplog.records if r.name == "django_outbox.metrics_view"
-    ]
+    return [r.getMessage() for r in caplog.records if r.name == "django_outbox.metrics_view"]
 
 
 @pytest.mark.parametrize(
