@@ -489,6 +489,10 @@ class LeaseKeeper(bootsteps.StartStopStep):
         self._gone: set[str] = set()
         self._interval: float | None = None
         self._drain_stop: threading.Event | None = None
+        #: What the drain's own Redis client needs, read while the consumer is
+        #: connected: a consumer restarting after a lost connection stops this step
+        #: with its connection already gone (``parent.connection`` is None).
+        self._drain_target: tuple[Any, Any, dict[str, Any], float, str, str] | None = None
 
     def start(self, parent: Any) -> None:
         self._stop_drain()  # the consumer is back: its timer keeps the leases again
@@ -502,6 +506,16 @@ class LeaseKeeper(bootsteps.StartStopStep):
         interval = self._interval = max(0.2, min(10.0, min(leases) * HEARTBEAT_FRACTION))
         if getattr(parent.connection.transport, "driver_type", "") == "redis":
             self._redis_broker = True
+            channel = parent.connection.default_channel
+            pool = channel.pool
+            self._drain_target = (
+                type(pool),
+                pool.connection_class,
+                dict(pool.connection_kwargs),
+                float(channel.visibility_timeout),
+                unacked_index_key(channel),
+                holders_key_of(channel),
+            )
             lease_on_delivery(
                 parent.task_consumer.channel.qos,
                 {
@@ -538,20 +552,21 @@ class LeaseKeeper(bootsteps.StartStopStep):
         self._stop_drain()
         stop = self._drain_stop = threading.Event()
         broker = None
-        if self._redis_broker:
+        if self._redis_broker and self._drain_target is not None:
             import redis
 
-            channel = parent.connection.default_channel
-            pool = channel.pool
+            pool_class, connection_class, connection_kwargs, backstop, index, holders = (
+                self._drain_target
+            )
             broker = _DrainBroker(
                 client=redis.Redis(
-                    connection_pool=type(pool)(
-                        connection_class=pool.connection_class, **pool.connection_kwargs
+                    connection_pool=pool_class(
+                        connection_class=connection_class, **connection_kwargs
                     )
                 ),
-                backstop=float(channel.visibility_timeout),
-                index=unacked_index_key(channel),
-                holders=holders_key_of(channel),
+                backstop=backstop,
+                index=index,
+                holders=holders,
             )
         thread = threading.Thread(
             target=self._drain,
@@ -584,7 +599,8 @@ class LeaseKeeper(bootsteps.StartStopStep):
             if broker is None:
                 continue
             try:
-                broker.extend(running, self._host)
+                if settings.lease_extend:  # switched off: the leases run out, as above
+                    broker.extend(running, self._host)
                 given_back |= broker.give_back(waiting)
             except redis.RedisError as exc:
                 logger.warning("drain: could not extend or give back leases: %s", exc)
