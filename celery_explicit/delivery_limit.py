@@ -9,8 +9,10 @@ delivery included) it is dead-lettered with reason ``delivery_limit`` instead of
 run again. First deliveries are not counted, so the common path costs nothing.
 
 The count is per message: task id and retry number (a retry is a new message). It
-lives in Redis (``EXPLICIT_REDIS_URL``) as ``{prefix}redeliveries:{task_id}:{retries}``
-and expires a day after the last delivery.
+lives in Redis (``EXPLICIT_REDIS_URL``) as ``{prefix}redeliveries:{task_id}:{retries}``.
+A delivery whose handler ran and ended (the message did not take its worker down)
+deletes it, so a finished job leaves no count behind; a count whose worker died with it
+expires a day after the last delivery, which is how a poison message is remembered.
 """
 
 from __future__ import annotations
@@ -79,4 +81,16 @@ class DeliveryLimitStep:
     def after_run(
         self, request: Any, execution: Execution | None, ending: Ending, *, entered: bool
     ) -> None:
-        return None
+        import redis
+
+        # Only a counted redelivery has a key; a job that goes on (a retry, a deferral,
+        # a requeue) may be delivered again under the same count.
+        if not entered or execution is None or execution.deliveries <= 1 or ending.goes_on:
+            return
+        try:
+            redis_state.client().delete(
+                count_key(execution.task_id, int(getattr(request, "retries", 0) or 0))
+            )
+        except redis.RedisError:
+            # The count expires by itself (COUNT_TTL).
+            logger.warning("could not delete a delivery count", extra=execution.log_fields())
