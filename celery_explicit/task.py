@@ -17,6 +17,7 @@ handler, its error classified, one attempt row).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 import uuid
@@ -285,6 +286,25 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             retry.__suppress_context__ = True
             raise
 
+    @property
+    def backend(self) -> Any:
+        """Celery's result backend; for a task with sensitive fields whose results keep
+        their arguments (``result_extended``), one that stores them redacted.
+
+        Celery stores the STARTED state (``task_track_started``) with the request's
+        arguments before the handler runs, while ``request.args`` must still be the
+        real ones (a retry publishes from them): the store is where they are redacted.
+        """
+        backend = Task.backend.fget(self)  # type: ignore[attr-defined]
+        contract = getattr(type(self), "contract", None)  # None: the base class itself
+        if contract is None or not contract.sensitive or not self.app.conf.result_extended:
+            return backend
+        return _RedactedStore(backend, contract)
+
+    @backend.setter
+    def backend(self, value: Any) -> None:
+        Task.backend.fset(self, value)  # type: ignore[attr-defined]
+
     def run_handler(self, *args: Any, **kwargs: Any) -> Any:
         """The handler itself, as Celery runs it (``run()``); called by the pipeline."""
         return super().__call__(*args, **kwargs)
@@ -319,3 +339,36 @@ def effect(*, using: str | None = None) -> Iterator[Effect]:
 
 
 __all__ = ["Execution", "ExplicitRequest", "ExplicitTask", "effect"]
+
+
+class _RedactedStore:
+    """A result backend whose ``store_result`` keeps a sensitive task's arguments
+    redacted (``ExplicitTask.backend``); everything else is the backend's own."""
+
+    def __init__(self, backend: Any, contract: Any) -> None:
+        self._backend, self._contract = backend, contract
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def store_result(
+        self,
+        task_id: Any,
+        result: Any,
+        state: Any,
+        traceback: Any = None,
+        request: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        if request is not None and (
+            getattr(request, "args", None) or getattr(request, "kwargs", None)
+        ):
+            args, kw = tuple(request.args or ()), dict(request.kwargs or {})
+            shown = sensitive_mod.of_call(
+                self._contract.sensitive, self._contract.signature, args, kw
+            )
+            request = copy.copy(request)
+            request.args, request.kwargs = shown.arguments(args, kw)
+        return self._backend.store_result(
+            task_id, result, state, traceback, request=request, **kwargs
+        )

@@ -140,10 +140,23 @@ def test_a_sensitive_card_is_nowhere_and_the_controls_is_everywhere(
             "EXPLICIT_TEST_RESULT_EXTENDED": "1",
         }
     )
+    # Every state the backend stores is also published on its key: the STARTED ones,
+    # overwritten by the final state, are read here.
+    states = redis.Redis.from_url(settings.REDIS_URL).pubsub()
+    states.psubscribe("celery-task-meta-*")
     hidden = drive_every_worker_path(ChargeCard(), secret, queue)
     shown = drive_every_worker_path(ChargeCardPlain(), clear, queue)
     results_stored(redis_client, hidden)
     results_stored(redis_client, shown)
+    stored_states = []
+    while (message := states.get_message(timeout=1.0)) is not None:
+        if message["type"] == "pmessage":
+            stored_states.append(json.loads(message["data"]))
+    states.close()
+    started = {s["task_id"]: json.dumps(s) for s in stored_states if s["status"] == "STARTED"}
+    assert set(hidden.values()) - {hidden["bad_input"]} <= set(started), started
+    assert not any(secret in text for text in started.values())
+    assert clear in started[shown["succeeded"]]
     # The retry lines of both tasks are written before their last attempt's row.
     log = worker.log()
     assert log.count(" retry: Retry in ") >= 2, log

@@ -19,6 +19,8 @@ from tests.celery_app import app
 
 if os.environ.get("EXPLICIT_TEST_RESULT_EXTENDED") == "1":
     app.conf.result_extended = True
+    # The STARTED state is stored, with the request's arguments, before the handler.
+    app.conf.task_track_started = True
 
 
 class GatewayTimeout(Exception):
