@@ -178,6 +178,9 @@ class Taken:
     took_over_from: str = ""  # host:pid of a holder that never released
     #: Why it was taken over (None when it was free).
     cause: TakeoverCause | None = None
+    #: When the holder taken over took its lease (epoch ms, the Redis server's clock):
+    #: the start of an execution that may have left no other trace (a killed process).
+    holder_started_ms: int | None = None
 
 
 def owner() -> str:
@@ -187,6 +190,12 @@ def owner() -> str:
 def _parse(value: str) -> tuple[int, str]:
     fence, holder, _acquired = value.split("|", 2)
     return int(fence), holder
+
+
+def _acquired_ms(value: str) -> int | None:
+    """When the holder of lease value ``value`` took it (epoch ms); None if unreadable."""
+    acquired = value.rsplit("|", 1)[-1]
+    return int(acquired) if acquired.isdigit() else None
 
 
 def process_state(pid: int) -> bytes | None:
@@ -238,13 +247,25 @@ def acquire(task_id: str, *, ttl: float, client: Any | None = None) -> Taken | H
         if int(reply[0]) == 0:
             holder = _parse(text(reply[1]))[1]
             return Held(holder=holder, retry_in=max(0.0, int(reply[2]) / 1000.0))
-        return Taken(fence=int(reply[0]), took_over_from=holder, cause=TakeoverCause.HOLDER_DEAD)
+        return Taken(
+            fence=int(reply[0]),
+            took_over_from=holder,
+            cause=TakeoverCause.HOLDER_DEAD,
+            holder_started_ms=_acquired_ms(value),
+        )
     previous = text(reply[1])
     if not previous:
         return Taken(fence=int(reply[0]))
     previous_holder = _parse(previous)[1]
+    # The lease ran out before this delivery came (a whole worker killed: its message
+    # came back only once its visibility lease ran out). A holder on this host whose
+    # process is gone died; only one elsewhere, or one alive but stopped, merely expired.
+    dead = _holder_is_dead(previous_holder)
     return Taken(
-        fence=int(reply[0]), took_over_from=previous_holder, cause=TakeoverCause.LEASE_EXPIRED
+        fence=int(reply[0]),
+        took_over_from=previous_holder,
+        cause=TakeoverCause.HOLDER_DEAD if dead else TakeoverCause.LEASE_EXPIRED,
+        holder_started_ms=_acquired_ms(previous),
     )
 
 
@@ -367,7 +388,12 @@ class ExecutionLeaseStep:
         )
         try:
             store.get().record_takeover(
-                execution.task_id, execution.key, lease.fence, lease.took_over_from
+                execution.task_id,
+                execution.key,
+                lease.fence,
+                lease.took_over_from,
+                cause=lease.cause.value if lease.cause else "",
+                holder_started_ms=lease.holder_started_ms,
             )
         except DatabaseError as exc:
             # Without the fence row the stale holder could still commit: do not run.

@@ -45,6 +45,7 @@ def attempt_fields(
     published_via: str = "",
     deferrals: dict[str, int] | None = None,
     published_key: str = "",
+    sent_at: dt.datetime | None = None,
 ) -> dict[str, Any]:
     """The columns of one attempt row (column names equal the field names)."""
     return dict(
@@ -71,6 +72,7 @@ def attempt_fields(
         published_via=published_via[:16],
         deferrals=deferrals or None,
         published_key=published_key[:255],
+        sent_at=sent_at,
     )
 
 
@@ -106,6 +108,7 @@ def fields_of(
         published_via=str(getattr(request, idempotency.PUBLISHED_VIA_HEADER, None) or ""),
         deferrals=_counts(getattr(request, idempotency.DEFERRALS_HEADER, None)),
         published_key=execution.published_key,
+        sent_at=_sent_at(request),
     )
 
 
@@ -250,6 +253,18 @@ def _counts(value: object) -> dict[str, int] | None:
         return None
     counts = {str(k)[:32]: int(v) for k, v in value.items() if isinstance(v, int)}
     return counts or None
+
+
+def _sent_at(request: Any) -> dt.datetime | None:
+    """When the message was published (its ``explicit_sent_at`` header, epoch seconds);
+    None when it carries none (published by something other than an ExplicitTask)."""
+    value = getattr(request, idempotency.SENT_AT_HEADER, None)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        return dt.datetime.fromtimestamp(value, dt.UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
 
 
 def _int_or_none(value: object) -> int | None:

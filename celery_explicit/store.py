@@ -100,8 +100,19 @@ class Store(Protocol):
         """Keep the message as evidence (``queue`` is the routing key it came with);
         raises a database error if it could not."""
 
-    def record_takeover(self, task_id: str, key: str, fence: int, previous: str) -> None:
-        """Announce fence ``fence`` of job ``task_id``: an older holder's commit is refused."""
+    def record_takeover(
+        self,
+        task_id: str,
+        key: str,
+        fence: int,
+        previous: str,
+        *,
+        cause: str = "",
+        holder_started_ms: int | None = None,
+    ) -> None:
+        """Announce fence ``fence`` of job ``task_id``: an older holder's commit is refused.
+        ``previous`` (host:pid) took its lease at ``holder_started_ms`` and lost it by
+        ``cause`` (``execution_lease.TakeoverCause``)."""
 
     def record_hard_timeout(
         self,

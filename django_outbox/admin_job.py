@@ -2,8 +2,10 @@
 
 ``/admin/django_outbox/attempt/job/?q=<what>`` takes what ``explain`` takes (a key, a
 task id, a dead letter id, an outbox event id, a business id) and shows each matching
-job's verdict first, then its timeline; every event links to its row. Attempts, dead
-letters and ledger rows link here from their lists.
+job's verdict first (with the rule it matched by), then its timeline, each line with the
+span since the one before; every event links to its row (an execution that left no
+attempt row, to the fence of its takeover). Attempts, dead letters and ledger rows link
+here from their lists.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, reverse
 from django.utils.html import format_html
 
-from django_outbox import explain
+from django_outbox import explain, times
 from django_outbox.models import Attempt, OutboxEvent, ProcessedOperation
 
 
@@ -56,8 +58,15 @@ def _page(found: explain.Explanation) -> dict[str, Any]:
         "key": found.key,
         "task_ids": found.task_ids,
         "verdict": found.verdict,
+        "matched_by": found.matched_by,
         "events": [
-            {"at": explain.stamp(e.at), "kind": e.kind, "text": e.text, "url": _row_url(e)}
+            {
+                "at": times.shown(e.at),
+                "since": "" if e.since is None else f"+{e.since:.3f} s",
+                "kind": e.kind,
+                "text": e.text,
+                "url": _row_url(e),
+            }
             for e in found.events
         ],
     }
@@ -67,7 +76,7 @@ def _row_url(event: explain.Event) -> str:
     """The admin page of the row an event came from, where there is one."""
     data = event.data
     try:
-        if event.kind == "dead_letter":
+        if event.kind in ("dead_letter", "dead_letter_closed"):
             return reverse("admin:django_outbox_deadletter_change", args=[data["dead_letter"]])
         if event.kind == "effect":
             row = ProcessedOperation.objects.filter(task_id=data["task_id"]).first()
@@ -87,7 +96,7 @@ def _row_url(event: explain.Event) -> str:
             if row_id is None:
                 return ""
             return reverse("admin:django_outbox_outboxevent_change", args=[row_id])
-        if event.kind == "takeover":
+        if event.kind in ("takeover", "execution"):
             return reverse("admin:django_outbox_fence_change", args=[data["task_id"]])
     except NoReverseMatch:
         return ""

@@ -5,11 +5,17 @@ entities, did the effect happen, why was the job repeated) from the rows the job
 left: attempts, the ledger row, fences, dead letters and outbox rows. ``<what>`` is an
 idempotency key, a task id, a dead letter id, an outbox event id, or a business id
 found as one ``:``-separated part of keys (``1003`` finds ``order:1003:ship``). Each
-match is one key: its timeline (millisecond timestamps) and a verdict.
+match is one key, with the rule it matched by: its timeline and a verdict.
+
+Every execution is on the timeline: each attempt row, and an execution that left none
+(a process killed mid-job) from the fence row of the takeover that followed it (its
+host, pid, start and why it lost its lease). The time since the previous event is on
+each line, so the wait in the queue, a deferral or a retry's delay reads as a span.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -19,7 +25,7 @@ from typing import Any
 from django.db.models import Q
 
 from celery_explicit.outcomes import Outcome
-from django_outbox import verdict
+from django_outbox import times, verdict
 from django_outbox.conf import settings
 from django_outbox.errors import OutboxError
 from django_outbox.models import Attempt, DeadLetter, Fence, OutboxEvent, ProcessedOperation
@@ -31,6 +37,14 @@ __all__ = ["ExplainError", "Event", "Explanation", "explain", "stamp", "uuid_or_
 MAX_MATCHES = 20
 _PRINTABLE = re.compile(r"^[^\x00-\x1f\x7f]{1,255}$")
 
+#: Why an execution lost its lease, as a timeline line says it.
+_LOST_LEASE = {
+    "holder_dead": "its process had died",
+    "lease_expired": "its lease had run out (it stopped extending it: stopped, "
+    "partitioned, or killed on another host)",
+    "": "its cause was not recorded",
+}
+
 
 class ExplainError(OutboxError):
     """``explain`` was given nothing it can look up (the message says why)."""
@@ -39,9 +53,12 @@ class ExplainError(OutboxError):
 @dataclass
 class Event:
     at: datetime
-    kind: str  # published, attempt, takeover, effect, dead_letter, replay
+    kind: str  # outbox, published, attempt, execution, takeover, effect, dead_letter
     text: str
     data: dict[str, Any] = field(default_factory=dict)
+    #: Seconds since the previous event of the job (None for the first): a wait in the
+    #: queue, a deferral or a retry's delay reads as a span.
+    since: float | None = None
 
 
 @dataclass
@@ -50,11 +67,18 @@ class Explanation:
     task_ids: list[str]
     events: list[Event]
     verdict: str
+    #: How ``what`` found this job: "idempotency key", "task id", "dead letter id 2",
+    #: "outbox event id", "business id 1003 in the key".
+    matched_by: str = ""
 
     def as_data(self) -> dict[str, Any]:
         data = asdict(self)
         for event in data["events"]:
-            event["at"] = stamp(event["at"])
+            event["at"] = times.iso(event["at"])
+            event["data"] = {
+                name: times.iso(value) if isinstance(value, datetime) else value
+                for name, value in event["data"].items()
+            }
         return data
 
 
@@ -69,31 +93,46 @@ def explain(what: str) -> list[Explanation]:
     keys, task_ids = _resolve(query)
     if not keys and not task_ids:
         raise ExplainError(f"nothing recorded for {query!r}: no key, task, dead letter or event")
-    found = [_explain_key(key) for key in keys[:MAX_MATCHES]]
+    found = []
+    for key in list(keys)[:MAX_MATCHES]:
+        found.append(_explain_key(key))
+        found[-1].matched_by = keys[key]
     # A task with no key of record (bad input, a pending outbox event) is its own job.
     known = {task_id for explanation in found for task_id in explanation.task_ids}
-    found += [_explain_task(task_id) for task_id in task_ids if task_id not in known]
+    for task_id, rule in task_ids.items():
+        if task_id not in known:
+            found.append(_explain_task(task_id))
+            found[-1].matched_by = rule
     return found
 
 
 # --- finding the jobs ----------------------------------------------------------------
 
 
-def _resolve(query: str) -> tuple[list[str], list[str]]:
-    """(idempotency keys, task ids without a key) that ``query`` names."""
+def _resolve(query: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The idempotency keys and the task ids without a key that ``query`` names, each
+    with the rule it matched by. A bare number can match several ways (a dead letter's
+    id and a business id): each match says which."""
     db = settings.database
     attempts = Attempt.objects.using(db)
     letters = DeadLetter.objects.using(db)
-    named_letter: list[str] = []
+    by_letter: dict[str, str] = {}
     if query.isdigit() and len(query) <= 18:  # a dead letter id (bigint), or a business id
         letter = letters.filter(pk=int(query)).first()
         if letter is not None and not letter.idempotency_key:
-            return [], [letter.task_id]
+            return {}, {letter.task_id: f"dead letter id {query}"}
         if letter is not None:
-            named_letter = [letter.idempotency_key]
+            by_letter[letter.idempotency_key] = f"dead letter id {query}"
+
+    def with_letter(keys: list[str], rule: str) -> dict[str, str]:
+        found = dict(by_letter)
+        for key in keys:
+            found[key] = f"{found[key]} and {rule}" if key in found else rule
+        return found
+
     exact = _keys_of(Q(idempotency_key=query), Q(key=query))
     if exact:
-        return exact, []
+        return with_letter(exact, "idempotency key"), {}
     # The ledger's task_id has no index (it would cost every effect an index write):
     # read it only for a task no attempt row names.
     by_task = _keys_of(Q(task_id=query), None)
@@ -108,23 +147,23 @@ def _resolve(query: str) -> tuple[list[str], list[str]]:
     )
     by_task += [k for _, k in id_letters if k and k not in by_task]
     if by_task:
-        return by_task, []
+        return with_letter(by_task, "task id"), {}
     # Letters without a key (bad input, unknown tasks) are found by their id alone.
     keyless = sorted(task_id for task_id, k in id_letters if not k)
     if keyless:
-        return [], keyless
+        return by_letter, {task_id: "task id of a dead letter" for task_id in keyless}
     if uuid_or_none(query) is not None:
         if OutboxEvent.objects.using(db).filter(event_id=query).exists():
-            return [], [query]
+            return by_letter, {query: "outbox event id"}
         if attempts.filter(task_id=query).exists():
-            return [], [query]
+            return by_letter, {query: "task id"}
     # A business id: one ``:``-separated part of a key. ``icontains`` narrows through
     # the trigram indexes the admin's search uses (migration 0011); the part match
     # decides.
     part = re.compile(rf"(^|:){re.escape(query)}(:|$)")
     candidates = _keys_of(Q(idempotency_key__icontains=query), Q(key__icontains=query))
-    business = sorted(k for k in candidates if part.search(k) and k not in named_letter)
-    return named_letter + business, []
+    business = sorted(k for k in candidates if part.search(k))
+    return with_letter(business, f"business id {query} in the key"), {}
 
 
 def _keys_of(attempt_filter: Q, ledger_filter: Q | None) -> list[str]:
@@ -200,8 +239,11 @@ def _explanation(
     all_tasks = sorted(set(task_ids) | {a.task_id for a in attempts})
     fences = list(Fence.objects.using(db).filter(task_id__in=all_tasks))
     events = list(_outbox_events(all_tasks))
-    events += [_attempt_event(a, attempts) for a in attempts]
-    events += [_fence_event(f) for f in fences]
+    outboxed = {e.data["event_id"] for e in events}
+    events += _publish_events(attempts, outboxed)
+    events += [_attempt_event(a, attempts, fences) for a in attempts]
+    events += [_unrecorded_event(f, attempts) for f in verdict.unrecorded(fences, attempts)]
+    events += [_fence_event(f, attempts) for f in fences]
     if ledger is not None:
         events.append(
             Event(
@@ -213,7 +255,10 @@ def _explanation(
             )
         )
     events += [_letter_event(letter, attempts, letters) for letter in letters]
+    events += [_closed_event(letter) for letter in letters if letter.resolved_at is not None]
     events.sort(key=lambda event: event.at)
+    for before, event in itertools.pairwise(events):
+        event.since = (event.at - before.at).total_seconds()
     return Explanation(
         key=key,
         task_ids=all_tasks,
@@ -243,21 +288,53 @@ def _outbox_events(task_ids: list[str]) -> list[Event]:
     return events
 
 
-def _attempt_event(attempt: Attempt, attempts: list[Attempt]) -> Event:
+def _publish_events(attempts: list[Attempt], outboxed: set[str]) -> list[Event]:
+    """When each task's message was first published (the ``sent_at`` its first attempt
+    carries): the start of its wait in the queue. The outbox says it for its own."""
+    events = []
+    for task_id in dict.fromkeys(a.task_id for a in attempts):
+        sent = [a.sent_at for a in attempts if a.task_id == task_id and a.sent_at is not None]
+        if not sent or task_id in outboxed:
+            continue
+        first = next(a for a in attempts if a.task_id == task_id)
+        via = f" ({first.published_via.replace('_', ' ')})" if first.published_via else ""
+        events.append(
+            Event(
+                min(sent),
+                "published",
+                f"task {task_id} published{via}",
+                {"task_id": task_id, "published_via": first.published_via},
+            )
+        )
+    return events
+
+
+def _attempt_event(attempt: Attempt, attempts: list[Attempt], fences: list[Fence]) -> Event:
     outcome = Outcome(attempt.outcome)
     runs_of_same = [a for a in attempts if a.task_id == attempt.task_id]
     same_number = [a for a in runs_of_same if a.attempt == attempt.attempt]
     notes = []
+    if attempt.sent_at is not None:
+        waited = (attempt.started_at - attempt.sent_at).total_seconds()
+        notes.append(f"started {waited:.3f} s after its message was published")
     if attempt.redelivered:
         notes.append("redelivered by the broker")
-    if len(same_number) > 1 and same_number[0] is not attempt:
-        notes.append("a second execution of the same attempt")
+    if attempt in verdict.republished(attempts):
+        notes.append("published again with the same task id")
+    elif len(same_number) > 1 and same_number[0] is not attempt and not attempt.redelivered:
+        notes.append("another delivery of the same task id and attempt number")
     if attempt.replay_of is not None:
         notes.append(f"replay of dead letter {attempt.replay_of}")
     if runs_of_same and runs_of_same[0] is attempt and attempt.published_via:
         notes.append(f"published {attempt.published_via.replace('_', ' ')}")
     if attempt.deferrals:
         notes.append("deferred before: " + verdict.deferral_text(attempt.deferrals))
+    for fence in fences:
+        if verdict.holder_attempt(fence, [attempt]) is attempt:
+            notes.append(
+                f"its lease was taken over at {stamp(fence.taken_over_at)}: "
+                + _LOST_LEASE.get(fence.cause, fence.cause)
+            )
     error = f" {attempt.error_class}" if attempt.error_class else ""
     retry = f"; retry in {attempt.retry_delay:.1f}s" if attempt.retry_delay is not None else ""
     text = (
@@ -278,17 +355,66 @@ def _attempt_event(attempt: Attempt, attempts: list[Attempt]) -> Event:
         "replay_of": attempt.replay_of,
         "published_via": attempt.published_via,
         "deferrals": attempt.deferrals or {},
+        "sent_at": attempt.sent_at,
     }
     return Event(attempt.started_at, "attempt", text, data)
 
 
-def _fence_event(fence: Fence) -> Event:
+def _unrecorded_event(fence: Fence, attempts: list[Attempt]) -> Event:
+    """An execution that left no attempt row, from the takeover that followed it."""
+    host, _, pid = fence.taken_over_from.rpartition(":")
+    ended = "died" if fence.cause == "holder_dead" else "never ended"
+    started = fence.holder_started_at
+    ran = (
+        f" {(fence.taken_over_at - started).total_seconds():.3f} s before it was taken over"
+        if started is not None
+        else ""
+    )
+    text = (
+        f"execution of task {fence.task_id} on {verdict.holder_name(fence, attempts)} took "
+        f"its lease{ran}; it {ended} without an attempt row "
+        f"({_LOST_LEASE.get(fence.cause, fence.cause)})"
+    )
+    data = {
+        "task_id": fence.task_id,
+        "worker_host": host,
+        "worker_pid": int(pid) if pid.isdigit() else None,
+        "started_at": started,
+        "ended": ended.replace(" ", "_"),
+        "cause": fence.cause,
+    }
+    return Event(started or fence.taken_over_at, "execution", text, data)
+
+
+def _fence_event(fence: Fence, attempts: list[Attempt]) -> Event:
     return Event(
         fence.taken_over_at,
         "takeover",
-        f"execution lease of task {fence.task_id} taken over from {fence.taken_over_from} "
+        f"execution lease of task {fence.task_id} taken over from "
+        f"{verdict.holder_name(fence, attempts)} {verdict.CAUSES.get(fence.cause, fence.cause)} "
         f"(fencing token {fence.token}): that execution's commit is refused",
-        {"task_id": fence.task_id, "token": fence.token, "from": fence.taken_over_from},
+        {
+            "task_id": fence.task_id,
+            "token": fence.token,
+            "from": fence.taken_over_from,
+            "cause": fence.cause,
+            "holder_started_at": fence.holder_started_at,
+        },
+    )
+
+
+def _closed_event(letter: DeadLetter) -> Event:
+    assert letter.resolved_at is not None
+    return Event(
+        letter.resolved_at,
+        "dead_letter_closed",
+        f"dead letter {letter.pk} {verdict.closed_text(letter)}",
+        {
+            "dead_letter": letter.pk,
+            "status": letter.status,
+            "resolved_by": letter.resolved_by,
+            "replayed_task_id": letter.replayed_task_id,
+        },
     )
 
 
@@ -308,6 +434,8 @@ def _letter_event(letter: DeadLetter, attempts: list[Attempt], letters: list[Dea
             "status": letter.status,
             "replayed_task_id": letter.replayed_task_id,
             "replay_led_to": led_to.removeprefix(", which "),
+            "resolved_at": letter.resolved_at,
+            "resolved_by": letter.resolved_by,
         },
     )
 

@@ -322,23 +322,41 @@ def _round_trips(connection: Any) -> _RoundTrips | None:
     return None if trips is None else _RoundTrips(trips)
 
 
-def record_takeover(task_id: str, key: str, fence: int, previous: str) -> None:
+def record_takeover(
+    task_id: str,
+    key: str,
+    fence: int,
+    previous: str,
+    *,
+    cause: str = "",
+    holder_started_ms: int | None = None,
+) -> None:
     """Announce the newer fence of job ``task_id``, before its new execution runs.
 
     Autocommit and upsert-to-the-larger: a stale holder's ``effect()`` reads this row
     in its commit (``_FENCE_SQL`` above). Written only on a takeover, so the common
-    path never pays for it.
+    path never pays for it. The row also keeps the execution taken over (its start and
+    why it lost its lease): ``explain`` tells an execution that died from it alone.
     """
     connection = connections[settings.database]
+    started = (
+        dt.datetime.fromtimestamp(holder_started_ms / 1000.0, dt.UTC)
+        if holder_started_ms is not None
+        else None
+    )
+    params: list[Any] = [task_id, fence, key[:255], previous[:255], timezone.now()]
+    params += [started, cause[:16]]
     with connection.cursor() as cursor:
-        cursor.execute(_TAKEOVER_SQL, [task_id, fence, key[:255], previous[:255], timezone.now()])
+        cursor.execute(_TAKEOVER_SQL, params)
 
 
 _TAKEOVER_SQL = (
     f"INSERT INTO {_fence_table} (task_id, token, idempotency_key, taken_over_from, "
-    "taken_over_at) VALUES (%s, %s, %s, %s, %s) ON CONFLICT (task_id) DO UPDATE "
+    "taken_over_at, holder_started_at, cause) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+    "ON CONFLICT (task_id) DO UPDATE "
     "SET token = excluded.token, idempotency_key = excluded.idempotency_key, "
-    "taken_over_from = excluded.taken_over_from, taken_over_at = excluded.taken_over_at "
+    "taken_over_from = excluded.taken_over_from, taken_over_at = excluded.taken_over_at, "
+    "holder_started_at = excluded.holder_started_at, cause = excluded.cause "
     f"WHERE {_fence_table}.token < excluded.token"
 )
 

@@ -80,6 +80,19 @@ class Fence(models.Model):
         max_length=255, blank=True, default="", help_text="the previous holder (host:pid)"
     )
     taken_over_at = models.DateTimeField()
+    # The execution it was taken from, which may have left no attempt row (a killed
+    # process writes none): when it took its lease (the Redis server's clock) and why it
+    # lost it. Written by the takeover itself, so they cost nothing on the common path.
+    holder_started_at = models.DateTimeField(
+        null=True, blank=True, help_text="when the previous holder took its lease"
+    )
+    cause = models.CharField(
+        max_length=16,
+        blank=True,
+        default="",
+        db_default="",
+        help_text="holder_dead or lease_expired (celery_explicit.execution_lease)",
+    )
 
     class Meta:
         db_table = "django_outbox_fence"
@@ -138,6 +151,11 @@ class Attempt(models.Model):
         db_default="",
         help_text="the key the message was published with, where it differs from the key "
         "this worker rendered (a renamed template)",
+    )
+    # When its message was published (its explicit_sent_at header): the wait in the
+    # queue before this execution, with no write of its own.
+    sent_at = models.DateTimeField(
+        null=True, blank=True, help_text="when the message this attempt ran was published"
     )
 
     class Meta:

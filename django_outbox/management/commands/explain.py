@@ -1,7 +1,9 @@
 """``manage.py explain <what>``: a job's timeline and verdict, from the stored data alone.
 
 ``<what>`` is an idempotency key, a task id, a dead letter id, an outbox event id, or a
-business id found inside keys. ``--json`` prints the same as data for tools. Nothing
+business id found inside keys; each job found says the rule it matched by. Each line of
+a timeline shows its time (``times.shown``) and the span since the line before.
+``--json`` prints the same as data for tools (times in ISO 8601 with their offset). Nothing
 found, or an argument that cannot be a key: one line on stderr and exit status 1.
 """
 
@@ -12,12 +14,12 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_outbox import explain
+from django_outbox import explain, times
 
 
 class Command(BaseCommand):
     help = (
-        "Explain what happened to a job: every publish, delivery, attempt, takeover, "
+        "Explain what happened to a job: every publish, execution, attempt, takeover, "
         "effect and dead letter in time order, and a verdict. WHAT is an idempotency "
         "key, a task id, a dead letter id, an outbox event id or a business id."
     )
@@ -39,7 +41,14 @@ class Command(BaseCommand):
             self.stdout.write(f"{len(found)} jobs match {options['what']!r}:\n")
         for explanation in found:
             title = explanation.key or f"task {', '.join(explanation.task_ids)}"
+            if explanation.matched_by:
+                title += f"  (matched as {explanation.matched_by})"
             self.stdout.write(self.style.MIGRATE_HEADING(title))
             for event in explanation.events:
-                self.stdout.write(f"  {explain.stamp(event.at)}  {event.text}")
+                self.stdout.write(f"  {times.shown(event.at)}  {since(event.since)}  {event.text}")
             self.stdout.write(f"  verdict: {explanation.verdict}\n")
+
+
+def since(seconds: float | None) -> str:
+    """The span since the previous event, right-aligned: ``+31.002 s``."""
+    return f"{'' if seconds is None else f'+{seconds:.3f} s':>12}"
