@@ -10,11 +10,16 @@ and carries the same facts as record attributes (``job_id``, ``task``,
 formatter (python-json-logger; the LOGGING snippet is in docs/reference.md). The
 pipeline binds the job when a delivery starts and unbinds it when it ends; a line
 written outside a job (the relay, a publish) carries what its caller passes.
+
+A traceback is logged once: an error whose traceback one of our lines carried
+(the attempt line of an error nobody classified) is marked, and ``OneTraceback``
+leaves it out of Celery's own ``raised unexpected`` line for the same error.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from contextvars import ContextVar, Token
 from typing import Any
 
@@ -61,7 +66,43 @@ class JobLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
             # A key may hold "%": escaped when the message is %-formatted with args.
             msg = (prefix.replace("%", "%%") if args else prefix) + str(msg)
         kwargs.setdefault("stacklevel", 3)
+        _mark_traceback(kwargs.get("exc_info"))
         self.logger.log(level, msg, *args, **kwargs)
+
+
+#: Set on an error whose traceback one of our lines logged.
+_TRACEBACK_LOGGED = "_explicit_traceback_logged"
+
+
+def _mark_traceback(exc_info: Any) -> None:
+    # exc_info as logging takes it: an exception, a sys.exc_info() tuple, or True.
+    if exc_info is True:
+        exc_info = sys.exc_info()
+    error = exc_info[1] if isinstance(exc_info, tuple) else exc_info
+    if isinstance(error, BaseException):
+        setattr(error, _TRACEBACK_LOGGED, True)
+
+
+class OneTraceback(logging.Filter):
+    """Keeps a record but drops its traceback when one of our lines logged that
+    error's traceback already.
+
+    Added to Celery's ``celery.app.trace`` logger (``worker_steps.install``): for an
+    error nobody classified Celery logs ``Task ...[id] raised unexpected: ...`` with the
+    traceback (celery/app/trace.py, TraceInfo._log_error), after our attempt line
+    logged it with the job's fields; the worker's log showed it twice.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if getattr(error, _TRACEBACK_LOGGED, False):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+#: The one filter, so adding it again is a no-op (``Filterer.addFilter``).
+one_traceback = OneTraceback()
 
 
 def _prefix(fields: dict[str, Any]) -> str:

@@ -38,6 +38,7 @@ from celery.exceptions import InvalidTaskError
 
 from celery_explicit import job_log, key_history, redis_state, store, versions, worker_metrics
 from celery_explicit.conf import settings
+from celery_explicit.errors import ContractError
 from celery_explicit.lease import LeaseKeeper, on_worker_init
 from celery_explicit.request import MAX_NESTING, nested_deeper_than
 
@@ -46,6 +47,8 @@ logger = job_log.get_logger("celery_explicit.worker_steps")
 CHECK_PREFIX = "django_outbox."
 
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Per Celery app, the refusal its task modules ended on (``import_tasks``).
+_refused: weakref.WeakKeyDictionary[Any, ContractError] = weakref.WeakKeyDictionary()
 
 
 class RecordUndecodable(bootsteps.StartStopStep):
@@ -173,6 +176,9 @@ def install(app: Any) -> None:
     app.steps["consumer"].add(LeaseKeeper)
     app.steps["consumer"].add(ArchiveDeadChildMetrics)
     _installed.add(app)
+    # Celery's "raised unexpected" line keeps its text, not a second copy of the
+    # traceback our attempt line logged (job_log.OneTraceback).
+    logging.getLogger("celery.app.trace").addFilter(job_log.one_traceback)
     # Versions first: on an untested Celery the checks themselves may not be trustworthy.
     signals.worker_init.connect(refuse_untested_versions, dispatch_uid=__name__ + ".versions")
     signals.worker_init.connect(refuse_on_check_errors, dispatch_uid=__name__ + ".checks")
@@ -187,6 +193,61 @@ def install(app: Any) -> None:
     signals.worker_process_init.connect(
         redis_state.one_job_at_a_time, dispatch_uid=__name__ + ".redis"
     )
+
+
+def import_tasks(app: Any) -> None:
+    """Import each installed Django app's ``tasks`` module and finalize ``app``, as a
+    worker loads them (Celery's Django autodiscovery imports the same modules); the
+    ``ContractError`` of the first task refused.
+
+    A module refused once is not imported again in this process. Python keeps no module
+    whose import failed, so importing it again runs it again and registers again every
+    task it declared above the refused one: Celery's DuplicateTaskNameWarning for each,
+    once per check that loads the tasks. The first refusal is raised again instead.
+
+    In a starting worker, a refusal ends the process here (``refuse_contract``): Celery's
+    Django fixup runs the checks, and so this, before Celery imports the task modules
+    itself and lets the error out as a traceback, before ``worker_init``.
+    """
+    refused = _refused.get(app)
+    if refused is None:
+        from django.utils.module_loading import autodiscover_modules
+
+        try:
+            autodiscover_modules("tasks")
+            app.finalize(auto=True)
+            return
+        except ContractError as exc:
+            _refused[app] = refused = exc
+    if _worker_starting(app):
+        refuse_contract(refused)
+    raise refused
+
+
+def _worker_starting(app: Any) -> bool:
+    # Celery's loader sets this in ``init_worker``, just before it imports the task
+    # modules (celery/loaders/base.py): only ``celery worker`` gets there.
+    return bool(getattr(app.loader, "worker_initialized", False))
+
+
+def refuse_contract(error: ContractError) -> None:
+    """End a starting worker on a refused task: one line on stderr (the task, what is
+    wrong, what to write instead), exit status 1, no traceback.
+
+    No setting starts a worker despite it: the task's module cannot be imported.
+    """
+    message = f"worker refuses to start: {error}"
+    # Most messages say the fix already ("declare at least 90s"); a hint that only
+    # repeats the message's example ("Declare it on the task: <example>") is left out.
+    if error.hint and (error.hint.partition(": ")[2] or error.hint) not in message:
+        message += f" (hint: {error.hint})"
+    message = message.replace("\n", " ")
+    logger.critical(message)
+    if not _logged_to_stderr(logger.logger):
+        print(message, file=sys.stderr, flush=True)
+    # SystemExit is not an Exception: neither Django's checks nor Celery's signals
+    # (which log and return an Exception a receiver raises) stop it.
+    raise SystemExit(1)
 
 
 def refuse_on_check_errors(sender: Any = None, **_: Any) -> None:

@@ -38,9 +38,8 @@ from typing import Any
 from django.apps import AppConfig
 from django.core import checks
 from django.db import connections
-from django.utils.module_loading import autodiscover_modules
 
-from celery_explicit import versions
+from celery_explicit import versions, worker_steps
 from celery_explicit.errors import ContractError
 from django_outbox.conf import settings
 
@@ -58,8 +57,7 @@ def _loaded_tasks(app: Any) -> list[Any]:
     importing each installed app's tasks module is what its Django autodiscovery
     does.)
     """
-    autodiscover_modules("tasks")
-    app.finalize(auto=True)
+    worker_steps.import_tasks(app)  # each module once: a refused one is not run again
     return _explicit_tasks(app)
 
 

@@ -70,8 +70,8 @@ from django.db import DatabaseError, connections, models, transaction
 from django.db.models import Max, Q
 from django.db.models.functions import Now
 from django.utils import timezone
-from django.utils.module_loading import autodiscover_modules
 
+from celery_explicit import worker_steps
 from celery_explicit.errors import ContractError
 from django_outbox.checks import reads_settings
 from django_outbox.conf import settings
@@ -352,8 +352,7 @@ def _explicit_tasks(app: Any) -> list[Any]:
     decorator-declared tasks exist only once the app finalizes)."""
     from celery_explicit.task import ExplicitTask
 
-    autodiscover_modules("tasks")
-    app.finalize(auto=True)
+    worker_steps.import_tasks(app)
     return [task for task in app.tasks.values() if isinstance(task, ExplicitTask)]
 
 
