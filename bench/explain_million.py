@@ -111,7 +111,8 @@ def main() -> None:
             f"worst {max(times):8.1f} ms   ({len(hits)} rows)"
         )
     # The dashboard's database part on the same rows (its live part reads Redis and the
-    # broker): attempts by outcome, dead-letter inflow and the outbox, per window.
+    # broker): attempts by outcome, dead-letter inflow (plots, links), the open dead
+    # letters by reason and the outbox, per window.
     from django.utils import timezone
 
     from django_outbox import dashboard
@@ -122,9 +123,12 @@ def main() -> None:
             started = time.perf_counter()
             now = timezone.now()
             since = now - timezone.timedelta(hours=hours)
-            buckets = dashboard._buckets(since, now, minutes)
-            dashboard._attempt_series(since, buckets, minutes)
-            dashboard._dead_letter_series(since, buckets, minutes)
+            axis = dashboard.Axis(
+                dashboard._buckets(since, now, minutes), minutes, dashboard.TICKS[hours]
+            )
+            dashboard._attempt_series(since, axis)
+            dashboard._dead_letter_series(since, axis)
+            dashboard.open_dead_letters(now)
             dashboard._outbox(now, since)
             times.append((time.perf_counter() - started) * 1000)
         print(

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
-from django.db import connections, transaction
+from django.db import connections, models, transaction
 from django.db.models import Exists, OuterRef, QuerySet
 from django.db.models.functions import Now
 from django.http import HttpRequest
@@ -16,12 +17,13 @@ from django.urls import URLPattern, path
 from django.utils import timezone
 from django.utils.html import format_html
 
-from django_outbox import admin_job, admin_replay, dashboard, dead_letters
+from django_outbox import admin_job, admin_replay, dashboard, dead_letters, times
 from django_outbox.conf import settings
 from django_outbox.models import (
     Attempt,
     Dashboard,
     DeadLetter,
+    DeadLetterStatus,
     Fence,
     OutboxEvent,
     OutboxStatus,
@@ -29,15 +31,63 @@ from django_outbox.models import (
 )
 
 
-def _ms(at: Any) -> str:
-    """A time to the millisecond: attempts seconds apart must be told apart."""
-    if at is None:
+def _time_column(field: models.DateTimeField[Any, Any]) -> Callable[[Any], str]:
+    """A list column and page field showing ``field`` as every incident tool writes a
+    time (``times.shown``: milliseconds, UTC), sorting by the field itself."""
+    name = field.name
+
+    @admin.display(description=str(field.verbose_name), ordering=name)
+    def column(obj: Any) -> str:
+        return times.shown(getattr(obj, name))
+
+    return column
+
+
+def short(value: str, *, keep: int = 8) -> str:
+    """A long id cut to its first ``keep`` characters on one line, the whole of it in
+    the title (hover) and kept for copying: a list column of 36-character task ids
+    either scrolls or wraps each over several lines."""
+    if not value:
         return "-"
-    return timezone.localtime(at).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    if len(value) <= keep + 1:
+        return format_html('<span style="white-space: nowrap">{}</span>', value)
+    return format_html(
+        '<span title="{}" style="white-space: nowrap">{}…</span>', value, value[:keep]
+    )
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    """Rows written by workers are evidence: nobody edits, adds or deletes them here."""
+    """Rows written by workers are evidence: nobody edits, adds or deletes them here.
+
+    Every time field, in the list and on the row's page, is shown by ``times.shown``
+    (``2026-12-02 07:19:45.160 UTC``) under the name ``<field>_utc``: Django's own
+    rendering would write ``Dec. 2, 2026, 7:19 a.m.`` in ``TIME_ZONE``, and an incident
+    is read across pages, logs and Redis that all write UTC to the millisecond.
+    """
+
+    def __init__(self, model: type[models.Model], admin_site: admin.AdminSite) -> None:
+        super().__init__(model, admin_site)
+        self.time_fields = {
+            f.name: f"{f.name}_utc"
+            for f in model._meta.get_fields()
+            if isinstance(f, models.DateTimeField)
+        }
+        for name, shown in self.time_fields.items():
+            field = model._meta.get_field(name)
+            assert isinstance(field, models.DateTimeField)
+            setattr(self, shown, _time_column(field))
+        self.list_display = tuple(
+            self.time_fields.get(c, c) if isinstance(c, str) else c for c in self.list_display
+        )
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[Any]:
+        return [
+            self.time_fields.get(f, f) if isinstance(f, str) else f
+            for f in super().get_fields(request, obj)
+        ]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[Any]:
+        return [*super().get_readonly_fields(request, obj), *self.time_fields.values()]
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
@@ -51,15 +101,11 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 @admin.register(ProcessedOperation)
 class ProcessedOperationAdmin(ReadOnlyAdmin):
-    list_display = ("key", "task_name", "processed", "result_ref", "task_id", "job")
+    list_display = ("key", "task_name", "processed_at", "result_ref", "task_id", "job")
     # Substring search: an order number finds every key it is part of.
     search_fields = ("key", "task_id__exact")
     list_filter = ("task_name",)
     date_hierarchy = "processed_at"
-
-    @admin.display(description="processed at", ordering="processed_at")
-    def processed(self, obj: ProcessedOperation) -> str:
-        return _ms(obj.processed_at)
 
     @admin.display(description="explain")
     def job(self, obj: ProcessedOperation) -> str:
@@ -71,27 +117,25 @@ class FenceAdmin(ReadOnlyAdmin):
     """Lease takeovers: the newest fencing token of a job; an older execution's commit
     is refused."""
 
-    list_display = ("task_id", "idempotency_key", "token", "taken_over_from", "taken_over")
+    list_display = ("task_id", "idempotency_key", "token", "taken_over_from", "taken_over_at")
     search_fields = ("task_id", "idempotency_key", "taken_over_from")
     date_hierarchy = "taken_over_at"
-
-    @admin.display(description="taken over at", ordering="taken_over_at")
-    def taken_over(self, obj: Fence) -> str:
-        return _ms(obj.taken_over_at)
 
 
 @admin.register(Attempt)
 class AttemptAdmin(ReadOnlyAdmin):
+    # Fits 1400 px beside the navigation and the filters: ids and error classes are
+    # cut to one line (the whole value in the title), the rest is short already.
     list_display = (
-        "started",
+        "started_at",
         "task_name",
-        "idempotency_key",
-        "task_id",
+        "key",
+        "task",
         "attempt",
         "outcome",
         "marks",
         "duration",
-        "error_class",
+        "error",
         "worker",
         "job",
     )
@@ -130,9 +174,24 @@ class AttemptAdmin(ReadOnlyAdmin):
         rows: QuerySet[Attempt] = super().get_queryset(request)
         return rows.annotate(repeated=Exists(earlier))
 
-    @admin.display(description="started at", ordering="started_at")
-    def started(self, obj: Attempt) -> str:
-        return _ms(obj.started_at)
+    @admin.display(description="idempotency key", ordering="idempotency_key")
+    def key(self, obj: Attempt) -> str:
+        return short(obj.idempotency_key, keep=28)
+
+    @admin.display(description="task id", ordering="task_id")
+    def task(self, obj: Attempt) -> str:
+        return short(obj.task_id)
+
+    @admin.display(description="error", ordering="error_class")
+    def error(self, obj: Attempt) -> str:
+        # The class's own name says what failed; its module is in the title.
+        if not obj.error_class:
+            return "-"
+        return format_html(
+            '<span title="{}" style="white-space: nowrap">{}</span>',
+            obj.error_class,
+            obj.error_class.rsplit(".", 1)[-1],
+        )
 
     @admin.display(description="duration", ordering="duration_ms")
     def duration(self, obj: Attempt) -> str:
@@ -152,6 +211,48 @@ class AttemptAdmin(ReadOnlyAdmin):
         return ", ".join(marks) or "-"
 
 
+class DeadLetterStatusFilter(admin.SimpleListFilter):
+    """Open letters unless asked otherwise: the list is opened to act on what still
+    needs a person. "every status" clears it (and is kept in the URL, so it stays
+    cleared while searching and paging)."""
+
+    title = "status"
+    parameter_name = "status"
+    EVERY = "every"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [*DeadLetterStatus.choices, (self.EVERY, "every status")]
+
+    def __init__(
+        self, request: HttpRequest, params: dict[str, Any], model: Any, model_admin: Any
+    ) -> None:
+        super().__init__(request, params, model, model_admin)
+        # The default is for reading the list. An action posted here acts on exactly
+        # the letters selected: the letter's own page posts without the filter, and a
+        # refusal must name a closed letter rather than drop it silently.
+        self.default = DeadLetterStatus.OPEN.value if request.method == "GET" else self.EVERY
+
+    def value(self) -> str:
+        return str(super().value() or self.default)
+
+    def choices(self, changelist: Any) -> Any:
+        # No "All" entry of Django's own: without the parameter the list is the open
+        # letters, so "every status" is an explicit choice like the others.
+        for lookup, title in self.lookup_choices:
+            yield {
+                "selected": self.value() == str(lookup),
+                "query_string": changelist.get_query_string(
+                    {self.parameter_name: lookup}, [self.parameter_name]
+                ),
+                "display": title,
+            }
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == self.EVERY:
+            return queryset
+        return queryset.filter(status=self.value())
+
+
 @admin.register(DeadLetter)
 class DeadLetterAdmin(ReadOnlyAdmin):
     list_display = (
@@ -164,7 +265,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
         "attempts",
         "job",
     )
-    list_filter = ("status", "reason", "task_name")
+    list_filter = (DeadLetterStatusFilter, "reason", "task_name")
     search_fields = ("idempotency_key", "task_id")
     date_hierarchy = "last_attempt"
     actions = ("replay", "discard")
@@ -180,7 +281,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
     def effect_happened(self, obj: DeadLetter) -> str:
         applied = ProcessedOperation.objects.filter(key=obj.idempotency_key).first()
         answer = (
-            f"Yes: applied at {_ms(applied.processed_at)} by task {applied.task_id}."
+            f"Yes: applied at {times.shown(applied.processed_at)} by task {applied.task_id}."
             if obj.idempotency_key and applied is not None
             else "No: no ledger row for its key."
         )

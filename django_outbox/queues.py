@@ -1,5 +1,6 @@
 """The broker's queues as an operator needs them: how many messages wait in each queue
-the app knows, and how long the oldest has waited, read without taking a message.
+the app knows, how many more workers hold unacknowledged (prefetched, reserved or
+running), and how long the oldest has waited, read without taking a message.
 
 Depth: a passive declare on a channel of its own (RabbitMQ closes a channel whose
 passive declare finds no queue). Oldest message: on Redis the queue is a list that
@@ -12,6 +13,13 @@ publish sets (``EXPLICIT_RABBITMQ_MANAGEMENT_URL``), with the broker's credentia
 which go only over https or to this host (``credentials_refused``). The dashboard
 shows these in words (``why`` says what could not be read), the metrics view as
 numbers.
+
+Held by workers: a queue's depth counts only what waits in it, and a worker takes up
+to its prefetch of messages at once, so a queue of 0 can still have jobs waiting in a
+worker for a free process. On Redis kombu records each delivered, unacknowledged
+message in its ``unacked`` hash (tag -> ``[message, exchange, routing key]``),
+counted per queue the way kombu would restore it; on RabbitMQ the management API's
+``messages_unacknowledged``.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import time
 import urllib.parse
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +45,10 @@ class QueueState:
     #: Seconds; None when the oldest message's publish time cannot be read (``why``).
     oldest_age: float | None
     why: str = ""
+    #: Delivered to a worker and not yet acknowledged; None when it cannot be read
+    #: (``unacked_why``).
+    unacked: int | None = 0
+    unacked_why: str = ""
 
 
 def queue_states(app: Any) -> list[QueueState]:
@@ -47,32 +60,65 @@ def queue_states(app: Any) -> list[QueueState]:
     with app.connection_for_read() as conn:
         # One quick try: a broker that is down must not hold the page or the scrape.
         conn.ensure_connection(max_retries=1)
+        held = _redis_unacked(conn) if conn.transport.driver_type == "redis" else None
         for name in sorted(n for n in names if n):
-            states.append(queue_state(conn, name))
+            states.append(queue_state(conn, name, held=held))
     return states
 
 
-def queue_state(conn: Any, name: str) -> QueueState:
-    """One queue's depth and oldest message age, on an open connection."""
+def queue_state(conn: Any, name: str, *, held: Counter[str] | None = None) -> QueueState:
+    """One queue's depth, unacknowledged messages and oldest message age, on an open
+    connection (``held``: Redis's unacknowledged messages per queue, read once for
+    every queue by ``_redis_unacked``)."""
     channel = conn.channel()
     try:
         _, count, _ = channel.queue_declare(queue=name, passive=True)
+        if conn.transport.driver_type == "amqp":
+            return _rabbitmq_state(conn, name, int(count))
         age, why = _oldest_age(conn, channel, name) if count else (0.0, "")
     except conn.channel_errors:
         count, age, why = 0, 0.0, ""  # no such queue yet: nothing waits in it
     finally:
         channel.close()
-    return QueueState(name=name, depth=int(count), oldest_age=age, why=why)
+    if held is None:
+        held = _redis_unacked(conn) if conn.transport.driver_type == "redis" else None
+    if held is None:
+        return QueueState(name, int(count), age, why, None, "not readable on this transport")
+    return QueueState(name=name, depth=int(count), oldest_age=age, why=why, unacked=held[name])
 
 
 def _oldest_age(conn: Any, channel: Any, queue: str) -> tuple[float | None, str]:
-    if conn.transport.driver_type == "amqp":
-        sent_at, why = _rabbitmq_head_sent_at(conn, queue)
-    elif conn.transport.driver_type == "redis":
+    if conn.transport.driver_type == "redis":
         sent_at, why = _redis_sent_at(channel.client.lindex(queue, -1))
     else:
         return None, "not readable on this transport"
     return (None, why) if sent_at is None else (max(0.0, time.time() - sent_at), "")
+
+
+def _redis_unacked(conn: Any) -> Counter[str]:
+    """How many delivered, unacknowledged messages each queue has, from kombu's
+    ``unacked`` hash (HSCAN: a worker may hold thousands). An entry is counted under
+    the queues kombu would restore it to (the exchange's bindings, as ``_lookup`` in
+    ``restore_by_tag`` reads them; ``_lookup`` itself would declare a queue for an
+    unbound route), or under its routing key where no binding matches."""
+    channel = conn.channel()
+    try:
+        # HSCAN is not among the commands kombu's prefixed client prefixes itself.
+        key = str(getattr(channel, "global_keyprefix", "") or "") + str(channel.unacked_key)
+        held: Counter[str] = Counter()
+        queues_of: dict[tuple[str, str], list[str]] = {}
+        for _tag, raw in channel.client.hscan_iter(key, count=500):
+            try:
+                _message, exchange, routing_key = json.loads(raw)
+            except (ValueError, TypeError):
+                continue  # not an entry kombu wrote: nothing to count it under
+            route = (str(exchange), str(routing_key))
+            if route not in queues_of:
+                queues_of[route] = _bound_queues(channel, *route)
+            held.update(queues_of[route])
+        return held
+    finally:
+        channel.close()
 
 
 def _redis_sent_at(raw: bytes | None) -> tuple[float | None, str]:
@@ -85,7 +131,37 @@ def _redis_sent_at(raw: bytes | None) -> tuple[float | None, str]:
         return None, "unknown (not sent by an ExplicitTask)"
 
 
-def _rabbitmq_head_sent_at(conn: Any, queue: str) -> tuple[float | None, str]:
+def _bound_queues(channel: Any, exchange: str, routing_key: str) -> list[str]:
+    if not exchange:
+        return [routing_key]
+    try:
+        table = channel.get_table(exchange)
+        found = channel.typeof(exchange).lookup(table, exchange, routing_key, None)
+    except KeyError:
+        found = []
+    return [str(q) for q in found if q] or [routing_key]
+
+
+def _rabbitmq_state(conn: Any, name: str, count: int) -> QueueState:
+    """A RabbitMQ queue: its depth from the passive declare (ready messages only), the
+    rest from the management API when it can be read."""
+    info, why = _rabbitmq_queue_info(conn, name)
+    if info is None:
+        return QueueState(name, count, None if count else 0.0, why if count else "", None, why)
+    held = info.get("messages_unacknowledged")
+    unacked, unacked_why = (int(held), "") if isinstance(held, int) else (None, "not reported")
+    sent_at = info.get("head_message_timestamp")
+    if not count:
+        age, why = 0.0, ""
+    elif isinstance(sent_at, int | float):
+        age, why = max(0.0, time.time() - float(sent_at)), ""
+    else:
+        age, why = None, "unknown (its head message has no timestamp: not sent by an ExplicitTask)"
+    return QueueState(name, count, age, why, unacked, unacked_why)
+
+
+def _rabbitmq_queue_info(conn: Any, queue: str) -> tuple[dict[str, Any] | None, str]:
+    """The management API's view of ``queue``, or None and why it was not read."""
     base = settings.rabbitmq_management_url
     if base.lower() == "off":
         return None, "not read (EXPLICIT_RABBITMQ_MANAGEMENT_URL is off)"
@@ -105,10 +181,7 @@ def _rabbitmq_head_sent_at(conn: Any, queue: str) -> tuple[float | None, str]:
             info = json.load(response)
     except (OSError, ValueError) as exc:
         return None, f"unknown (RabbitMQ's management API at {base} did not answer: {exc})"
-    sent_at = info.get("head_message_timestamp")
-    if not isinstance(sent_at, int | float):
-        return None, "unknown (its head message has no timestamp: not sent by an ExplicitTask)"
-    return float(sent_at), ""
+    return (info, "") if isinstance(info, dict) else (None, "unknown (not a queue's figures)")
 
 
 def credentials_refused(base: str) -> str:
