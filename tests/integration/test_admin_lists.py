@@ -200,3 +200,95 @@ def test_a_dead_letter_says_first_whether_its_effect_happened(admin_browser: Cli
     assert text.index("field-effect_happened") < text.index("field-task_name")  # at the top
     other = admin_browser.get(f"/admin/django_outbox/deadletter/{missing.pk}/change/")
     assert "No: no ledger row for its key." in other.content.decode()
+
+
+def test_every_page_writes_a_time_the_same_way(admin_browser: Client) -> None:
+    """Lists and row pages of attempts, dead letters, the ledger, fences and outbox
+    events: ``times.shown`` (milliseconds, UTC), never Django's ``Dec. 2, 2026, 7:19
+    a.m.`` in TIME_ZONE."""
+    from django_outbox.models import DeadLetter, DeadLetterReason, OutboxEvent, ProcessedOperation
+
+    at = dt.datetime(2026, 12, 2, 7, 19, 45, 160000, tzinfo=dt.UTC)
+    shown = "2026-12-02 07:19:45.160 UTC"
+    row = attempt(str(uuid.uuid4()), "order:8008:ship", at)
+    letter = DeadLetter.objects.create(
+        task_id=str(uuid.uuid4()),
+        task_name="shop.ship_order",
+        reason=DeadLetterReason.PERMANENT,
+        first_seen=at,
+        last_attempt=at,
+    )
+    ProcessedOperation.objects.create(
+        key="order:8008:ship", task_name="t", task_id="x", fingerprint="f", processed_at=at
+    )
+    Fence.objects.create(task_id=str(uuid.uuid4()), token=1, taken_over_at=at)
+    event = OutboxEvent.objects.create(task_name="t", created_at=at, available_at=at)
+    pages = {
+        "attempt list": ATTEMPTS,
+        "attempt page": f"{ATTEMPTS}{row.pk}/change/",
+        "dead-letter list": "/admin/django_outbox/deadletter/",
+        "dead-letter page": f"/admin/django_outbox/deadletter/{letter.pk}/change/",
+        "ledger list": "/admin/django_outbox/processedoperation/",
+        "fence list": "/admin/django_outbox/fence/",
+        "outbox list": "/admin/django_outbox/outboxevent/",
+        "outbox page": f"/admin/django_outbox/outboxevent/{event.pk}/change/",
+    }
+    for what, url in pages.items():
+        response = admin_browser.get(url)
+        assert response.status_code == 200, what
+        html = response.content.decode().split('id="content-main"', 1)[1]
+        assert shown in html, what
+        assert "a.m." not in html and "p.m." not in html, what
+    # Every time field of a row's page, not only the first.
+    page = admin_browser.get(f"{ATTEMPTS}{row.pk}/change/").content.decode()
+    assert page.count(shown) >= 1 and "2026-12-02 07:19:45.185 UTC" in page  # finished
+
+
+def test_the_dead_letter_list_opens_on_open_letters_and_the_filter_can_be_cleared(
+    admin_browser: Client,
+) -> None:
+    from django_outbox.models import DeadLetter, DeadLetterReason, DeadLetterStatus
+
+    now = timezone.now()
+
+    def letter(task_id: str, status: str) -> None:
+        DeadLetter.objects.create(
+            task_id=task_id,
+            task_name="shop.ship_order",
+            reason=DeadLetterReason.PERMANENT,
+            status=status,
+            first_seen=now,
+            last_attempt=now,
+        )
+
+    letter("letter-open", DeadLetterStatus.OPEN)
+    letter("letter-replayed", DeadLetterStatus.REPLAYED)
+    letter("letter-discarded", DeadLetterStatus.DISCARDED)
+    page = admin_browser.get("/admin/django_outbox/deadletter/").content.decode()
+    assert "letter-open" in page
+    assert "letter-replayed" not in page and "letter-discarded" not in page
+    assert "1 dead letter" in page
+    # The filter says so, and "every status" clears it.
+    assert '<li class="selected">\n    <a href="?status=open"' in page
+    assert '<a href="?status=every"' in page
+    every = admin_browser.get("/admin/django_outbox/deadletter/", {"status": "every"})
+    text = every.content.decode()
+    assert all(t in text for t in ("letter-open", "letter-replayed", "letter-discarded"))
+    replayed = admin_browser.get("/admin/django_outbox/deadletter/", {"status": "replayed"})
+    assert "letter-replayed" in replayed.content.decode()
+    assert "letter-open" not in replayed.content.decode()
+
+
+def test_attempt_list_cuts_ids_to_one_line_and_keeps_the_whole_in_the_title(
+    admin_browser: Client,
+) -> None:
+    job = str(uuid.uuid4())
+    attempt(job, "order:9009:ship", timezone.now(), error_class="shop.errors.GatewayTimeout")
+    page = admin_browser.get(ATTEMPTS).content.decode()
+    assert f'<span title="{job}" style="white-space: nowrap">{job[:8]}\u2026</span>' in page
+    assert (
+        '<span title="shop.errors.GatewayTimeout" style="white-space: nowrap">'
+        "GatewayTimeout</span>" in page
+    )
+    # Still found by the whole task id.
+    assert job in admin_browser.get(ATTEMPTS, {"q": job}).content.decode()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from argparse import ArgumentParser
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -16,35 +18,85 @@ class Command(BaseCommand):
         "List live leases. Execution leases (any broker): task id, owner (host:pid), "
         "fencing token, age, seconds until another delivery may take the job over. "
         "Message leases (Redis broker): owner, extensions, seconds until the message is "
-        "visible to other workers again."
+        "visible to other workers again; a lease whose message is no longer held "
+        "(acknowledged: its job is done) is left out unless --all, which marks it."
     )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument(
+            "--all",
+            action="store_true",
+            help="also list message leases whose message was already acknowledged",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         running = execution_lease.live_executions(redis_state.client())
         self.stdout.write("execution leases (one live execution per job):")
-        if not running:
-            self.stdout.write("  none")
-        else:
-            self.stdout.write(
-                f"  {'task id':<38} {'owner':<28} {'fence':>7} {'age':>8} {'left':>8}"
-            )
-            for job in running:
-                self.stdout.write(
-                    f"  {job.task_id:<38} {job.owner:<28} {job.fence:>7} "
-                    f"{job.age:>7.1f}s {job.expires_in:>7.1f}s"
-                )
-        broker = str(settings.celery_app().conf.broker_url or "")
+        self._table(
+            ("task id", "owner", "fence", "age", "left"),
+            [
+                (j.task_id, j.owner, str(j.fence), f"{j.age:.1f}s", f"{j.expires_in:.1f}s")
+                for j in running
+            ],
+            numbers=range(2, 5),
+        )
+        app = settings.celery_app()
+        broker = str(app.conf.broker_url or "")
         if not broker.startswith(("redis://", "rediss://")):
             self.stdout.write(f"message leases: none (the broker is not Redis: {broker!r})")
             return
-        leases = lease.live_leases(redis.Redis.from_url(broker))
+        client = redis.Redis.from_url(broker)
+        leases = lease.live_leases(client)
+        held = _still_held(app, client, [held.delivery_tag for held in leases])
+        done = [x for x, is_held in zip(leases, held, strict=True) if not is_held]
+        shown = leases if options["all"] else [x for x in leases if x not in done]
         self.stdout.write("message leases (per-task visibility timeout):")
-        if not leases:
+        self._table(
+            ("task id", "owner", "ext", "left", "message"),
+            [
+                (
+                    x.task_id,
+                    x.owner,
+                    str(x.extensions),
+                    f"{x.expires_in:.1f}s",
+                    "acked (done)" if x in done else "held",
+                )
+                for x in shown
+            ],
+            numbers=range(2, 4),
+        )
+        if done and not options["all"]:
+            # The record of an acknowledged message stays until its worker's next
+            # heartbeat or its own expiry: its job is over, nothing holds it.
+            self.stdout.write(
+                f"  ({len(done)} lease record(s) of messages already acknowledged not "
+                "shown: --all lists them)"
+            )
+
+    def _table(self, header: Sequence[str], rows: list[Sequence[str]], *, numbers: range) -> None:
+        """Columns as wide as their widest value (a 16-digit fence, a long host name):
+        the ``numbers`` columns right-aligned, text left."""
+        if not rows:
             self.stdout.write("  none")
             return
-        self.stdout.write(f"  {'task id':<38} {'owner':<28} {'ext':>5} {'left':>8}")
-        for held in leases:
-            self.stdout.write(
-                f"  {held.task_id:<38} {held.owner:<28} {held.extensions:>5} "
-                f"{held.expires_in:>7.1f}s"
-            )
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            cells = [
+                cell.rjust(width) if i in numbers else cell.ljust(width)
+                for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+            ]
+            self.stdout.write("  " + "  ".join(cells).rstrip())
+
+
+def _still_held(app: Any, client: redis.Redis, tags: list[str]) -> list[bool]:
+    """Whether each delivery tag is still unacknowledged: in kombu's ``unacked_index``
+    (named as the workers' channel names it, with its ``global_keyprefix``). The ack
+    removes it there at once; the lease record itself lingers until it expires."""
+    if not tags:
+        return []
+    with app.connection_for_read() as conn:
+        index = lease.unacked_index_key(conn.default_channel)
+    pipe = client.pipeline(transaction=False)
+    for tag in tags:
+        pipe.zscore(index, tag)
+    return [score is not None for score in pipe.execute()]
