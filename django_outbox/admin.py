@@ -124,24 +124,24 @@ class FenceAdmin(ReadOnlyAdmin):
 
 @admin.register(Attempt)
 class AttemptAdmin(ReadOnlyAdmin):
-    # Fits 1400 px beside the navigation and the filters: ids and error classes are
-    # cut to one line (the whole value in the title), the rest is short already.
+    # Fits 1400 px beside the navigation and the filters: ids cut to one line (the
+    # whole value in the title), the attempt's marks beside its number and its error
+    # beside its outcome, where each is read.
     list_display = (
         "started_at",
-        "task_name",
-        "key",
         "task",
-        "attempt",
-        "outcome",
-        "marks",
+        "key",
+        "number",
+        "ending",
         "duration",
-        "error",
         "worker",
         "job",
     )
     list_filter = ("outcome", "task_name", "redelivered")
     search_fields = ("idempotency_key", "task_id__exact", "correlation_id__exact")
     date_hierarchy = "started_at"
+    # Tighter cells than the admin's own: the list must fit 1400 px.
+    change_list_template = "admin/django_outbox/attempt/change_list.html"
 
     def get_urls(self) -> list[URLPattern]:
         job = path(
@@ -178,18 +178,26 @@ class AttemptAdmin(ReadOnlyAdmin):
     def key(self, obj: Attempt) -> str:
         return short(obj.idempotency_key, keep=28)
 
-    @admin.display(description="task id", ordering="task_id")
+    @admin.display(description="task, task id", ordering="task_name")
     def task(self, obj: Attempt) -> str:
-        return short(obj.task_id)
+        return format_html("{}<br>{}", obj.task_name, short(obj.task_id))
 
-    @admin.display(description="error", ordering="error_class")
-    def error(self, obj: Attempt) -> str:
-        # The class's own name says what failed; its module is in the title.
+    @admin.display(description="attempt", ordering="attempt")
+    def number(self, obj: Attempt) -> str:
+        marks = self.marks(obj)
+        return str(obj.attempt) if marks == "-" else f"{obj.attempt}: {marks}"
+
+    @admin.display(description="outcome", ordering="outcome")
+    def ending(self, obj: Attempt) -> str:
+        # The error class's own name says what failed; its module and the message are
+        # in the title.
+        outcome = obj.get_outcome_display()
         if not obj.error_class:
-            return "-"
+            return outcome
         return format_html(
-            '<span title="{}" style="white-space: nowrap">{}</span>',
-            obj.error_class,
+            '{}: <span title="{}" style="white-space: nowrap">{}</span>',
+            outcome,
+            f"{obj.error_class}: {obj.error_message}"[:300],
             obj.error_class.rsplit(".", 1)[-1],
         )
 

@@ -150,14 +150,22 @@ def _rabbitmq_state(conn: Any, name: str, count: int) -> QueueState:
         return QueueState(name, count, None if count else 0.0, why if count else "", None, why)
     held = info.get("messages_unacknowledged")
     unacked, unacked_why = (int(held), "") if isinstance(held, int) else (None, "not reported")
-    sent_at = info.get("head_message_timestamp")
-    if not count:
-        age, why = 0.0, ""
-    elif isinstance(sent_at, int | float):
-        age, why = max(0.0, time.time() - float(sent_at)), ""
-    else:
-        age, why = None, "unknown (its head message has no timestamp: not sent by an ExplicitTask)"
+    sent_at, why = _head_sent_at(info) if count else (None, "")
+    age = 0.0 if not count else None if sent_at is None else max(0.0, time.time() - sent_at)
     return QueueState(name, count, age, why, unacked, unacked_why)
+
+
+def _rabbitmq_head_sent_at(conn: Any, queue: str) -> tuple[float | None, str]:
+    """When ``queue``'s head message was published, from the management API."""
+    info, why = _rabbitmq_queue_info(conn, queue)
+    return (None, why) if info is None else _head_sent_at(info)
+
+
+def _head_sent_at(info: dict[str, Any]) -> tuple[float | None, str]:
+    sent_at = info.get("head_message_timestamp")
+    if not isinstance(sent_at, int | float):
+        return None, "unknown (its head message has no timestamp: not sent by an ExplicitTask)"
+    return float(sent_at), ""
 
 
 def _rabbitmq_queue_info(conn: Any, queue: str) -> tuple[dict[str, Any] | None, str]:

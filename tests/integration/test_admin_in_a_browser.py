@@ -2,8 +2,8 @@
 
 Logs in, opens the dashboard, a job page and the dead letter list, and replays a letter
 through the admin action. Fails on any server error, a missing element or a plot that
-did not render. Screenshots go to ``.screenshots/`` at the top of the checkout (the test
-prints the folder)."""
+did not render. Screenshots go to the test's pytest tmp dir (the test prints the
+folder)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from django_outbox.models import (
     Outcome,
     ProcessedOperation,
 )
-from tests.support.processes import ROOT
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -48,7 +47,8 @@ def history(redis_client: Any, queue: str) -> dict[str, Any]:
     starts (Playwright's loop would make the ORM refuse to run in this thread)."""
     password = uuid.uuid4().hex
     user = User.objects.create_superuser(f"oncall-{uuid.uuid4().hex[:6]}", password=password)
-    start = timezone.now()
+    # Mid-minute, so the retry one second later falls in the same minute.
+    start = (timezone.now() - dt.timedelta(minutes=3)).replace(second=20, microsecond=0)
     job = str(uuid.uuid4())
     key = f"order:{uuid.uuid4().int % 10**6}:ship"
     for number, outcome in ((1, Outcome.RETRY_SCHEDULED), (2, Outcome.APPLIED)):
@@ -81,17 +81,25 @@ def history(redis_client: Any, queue: str) -> dict[str, Any]:
         last_attempt=start,
         queue=queue,
     )
-    yield {"user": user.username, "password": password, "key": key, "letter": letter}
+    minute = start.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M")
+    yield {
+        "user": user.username,
+        "password": password,
+        "key": key,
+        "job": job,
+        "letter": letter,
+        "minute": minute,
+    }
     redis_client.delete(queue)
 
 
 def test_dashboard_job_page_and_replay_in_chromium(
-    live_server: Any, history: dict[str, Any], request: pytest.FixtureRequest
+    live_server: Any, history: dict[str, Any], request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     from playwright.sync_api import sync_playwright
 
-    shots = Path(ROOT) / ".screenshots" / request.node.name
-    shots.mkdir(parents=True, exist_ok=True)
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(f"screenshots: {shots}")
@@ -114,6 +122,28 @@ def test_dashboard_job_page_and_replay_in_chromium(
         assert page.locator("svg.bars").count() >= 2  # attempts by outcome: plots drawn
         assert page.locator("svg.bars rect").count() > 0
         page.screenshot(path=str(shots / "dashboard.png"), full_page=True)
+        # A time axis with labelled ticks (HH:MM, UTC) under the plots.
+        labels = page.locator("svg.axis").first.locator("text").all_text_contents()
+        assert len(labels) >= 6 and labels[-1] == "UTC", labels
+        assert all(len(t) == 5 and t[2] == ":" for t in labels[:-1]), labels
+        # The same minute at the same x on the screen in the attempt and dead-letter
+        # plots; the tooltip names the minute and the count.
+        minute = history["minute"]
+        applied = page.locator(f"tr.attempts a.bucket[data-minute='{minute}']").first
+        letter = page.locator(f"tr.dead-letters a.bucket[data-minute='{minute}']").first
+        applied_box, letter_box = applied.bounding_box(), letter.bounding_box()
+        assert applied_box is not None and letter_box is not None
+        assert abs(applied_box["x"] - letter_box["x"]) < 0.5, (applied_box, letter_box)
+        tip = applied.locator("title").text_content() or ""
+        assert tip.startswith(minute) and tip.endswith(": 1 effect applied"), tip
+        applied.hover()
+        page.screenshot(path=str(shots / "dashboard-hover.png"), full_page=True)
+        # The bar opens the attempts of that minute and outcome.
+        applied.click()
+        page.wait_for_selector("#result_list")
+        assert page.locator("#result_list tbody tr").count() == 1
+        assert "effect applied" in page.locator("#result_list tbody tr").inner_text()
+        page.screenshot(path=str(shots / "attempts-of-a-minute.png"), full_page=True)
 
         page.goto(f"{live_server.url}/admin/django_outbox/attempt/job/?q={history['key']}")
         verdict = page.locator("p.verdict").inner_text()
@@ -121,13 +151,25 @@ def test_dashboard_job_page_and_replay_in_chromium(
         assert page.locator("table.timeline tbody tr").count() >= 3
         page.screenshot(path=str(shots / "job.png"), full_page=True)
 
-        # At 1400 px the attempt list shows the worker (host and pid) without scrolling.
+        # At 1400 px the attempt list fits: no horizontal scroll of the page or of the
+        # list, the explain column in view, task ids on one line.
         page.goto(f"{live_server.url}/admin/django_outbox/attempt/")
-        worker = page.locator("td.field-worker").first
-        box = worker.bounding_box()
-        assert box is not None and box["x"] + box["width"] <= 1400, box
-        assert "worker-1 pid 80" in worker.inner_text()
         page.screenshot(path=str(shots / "attempts.png"), full_page=True)
+        worker = page.locator("td.field-worker").first
+        assert "worker-1 pid 80" in worker.inner_text()
+        widths = page.evaluate(
+            "() => [document.scrollingElement.scrollWidth, document.scrollingElement.clientWidth,"
+            " document.querySelector('.results').scrollWidth,"
+            " document.querySelector('.results').clientWidth]"
+        )
+        assert widths[0] <= widths[1] and widths[2] <= widths[3], widths
+        explain = page.locator("td.field-job").first.bounding_box()
+        assert explain is not None and explain["x"] + explain["width"] <= 1400, explain
+        task = page.locator("td.field-task span").first
+        assert task.get_attribute("title") == history["job"]
+        line = page.evaluate("() => parseFloat(getComputedStyle(document.body).lineHeight) || 20")
+        task_box = task.bounding_box()
+        assert task_box is not None and task_box["height"] <= 1.5 * line, task_box
 
         # The dead letter page answers "did the effect happen?" and offers replay.
         letter_pk = history["letter"].pk

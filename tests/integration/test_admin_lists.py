@@ -283,12 +283,20 @@ def test_attempt_list_cuts_ids_to_one_line_and_keeps_the_whole_in_the_title(
     admin_browser: Client,
 ) -> None:
     job = str(uuid.uuid4())
-    attempt(job, "order:9009:ship", timezone.now(), error_class="shop.errors.GatewayTimeout")
+    attempt(
+        job,
+        "order:9009:ship",
+        timezone.now(),
+        outcome=Outcome.RETRY_SCHEDULED,
+        error_class="shop.errors.GatewayTimeout",
+        error_message="no answer in 5 s",
+    )
     page = admin_browser.get(ATTEMPTS).content.decode()
     assert f'<span title="{job}" style="white-space: nowrap">{job[:8]}\u2026</span>' in page
+    # The error's class beside the outcome; its module and message in the title.
     assert (
-        '<span title="shop.errors.GatewayTimeout" style="white-space: nowrap">'
-        "GatewayTimeout</span>" in page
+        'retry scheduled: <span title="shop.errors.GatewayTimeout: no answer in 5 s" '
+        'style="white-space: nowrap">GatewayTimeout</span>' in page
     )
     # Still found by the whole task id.
     assert job in admin_browser.get(ATTEMPTS, {"q": job}).content.decode()

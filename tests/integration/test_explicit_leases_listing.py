@@ -67,7 +67,8 @@ def test_leases_of_acknowledged_messages_are_left_out_or_marked(records: dict[st
     text = "\n".join(lines)
     assert records["held"] in text
     assert records["done"] not in text
-    assert "1 lease record(s) of messages already acknowledged not shown" in text
+    # (Records other tests' workers left may be counted too: they are done as well.)
+    assert "lease record(s) of messages already acknowledged not shown: --all" in text
     held = next(line for line in lines if records["held"] in line)
     assert held.rstrip().endswith("held")
     marked = listing("--all")
