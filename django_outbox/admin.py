@@ -149,15 +149,28 @@ class AttemptAdmin(ReadOnlyAdmin):
             self.admin_site.admin_view(self.job_view),
             name="django_outbox_job",
         )
-        return [job, *super().get_urls()]
+        window = path(
+            "window/",
+            self.admin_site.admin_view(self.window_view),
+            name="django_outbox_window",
+        )
+        return [job, window, *super().get_urls()]
 
     def job_view(self, request: HttpRequest) -> TemplateResponse:
         """The job page: explain's timeline and verdict (``admin_job``)."""
+        self._may_view(request)
+        return admin_job.job_view(self, request)
+
+    def window_view(self, request: HttpRequest) -> TemplateResponse:
+        """The window page: every job with something unusual in a time window."""
+        self._may_view(request)
+        return admin_job.window_view(self, request)
+
+    def _may_view(self, request: HttpRequest) -> None:
         if not self.has_view_permission(request):
             from django.core.exceptions import PermissionDenied
 
             raise PermissionDenied
-        return admin_job.job_view(self, request)
 
     @admin.display(description="explain")
     def job(self, obj: Attempt) -> str:
@@ -285,7 +298,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
         fields = [f for f in super().get_fields(request, obj) if f != "effect_happened"]
         return ["effect_happened", *fields]
 
-    @admin.display(description="did the effect happen?")
+    @admin.display(description="effect happened")
     def effect_happened(self, obj: DeadLetter) -> str:
         applied = ProcessedOperation.objects.filter(key=obj.idempotency_key).first()
         answer = (

@@ -6,6 +6,10 @@ job's verdict first (with the rule it matched by), then its timeline, each line 
 span since the one before; every event links to its row (an execution that left no
 attempt row, to the fence of its takeover). Attempts, dead letters and ledger rows link
 here from their lists.
+
+``/admin/django_outbox/attempt/window/?since=02:50&until=03:20`` is ``manage.py explain
+--since/--until`` in the admin: every job with something unusual in the window, grouped
+by cause, each linked to its job page.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from urllib.parse import urlencode
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, reverse
+from django.utils import timezone
 from django.utils.html import format_html
 
-from django_outbox import explain, times
+from django_outbox import explain, times, window
 from django_outbox.models import Attempt, OutboxEvent, ProcessedOperation
 
 
@@ -51,6 +56,54 @@ def job_view(model_admin: Any, request: HttpRequest) -> TemplateResponse:
         "opts": model_admin.model._meta,
     }
     return TemplateResponse(request, "admin/django_outbox/job.html", context)
+
+
+def window_view(model_admin: Any, request: HttpRequest) -> TemplateResponse:
+    since_text = (request.GET.get("since") or "").strip()
+    until_text = (request.GET.get("until") or "").strip()
+    report: window.Window | None = None
+    error = ""
+    if since_text:
+        try:
+            start = window.parse_time(since_text)
+            end = window.parse_time(until_text) if until_text else timezone.now()
+            report = window.report(start, end)
+        except ValueError as exc:
+            error = str(exc)
+    groups = []
+    if report is not None:
+        for group in report.groups:
+            named = group.named(window.DEFAULT_LIMIT)
+            groups.append(
+                {
+                    "label": group.label,
+                    "events": group.events,
+                    "jobs": len(group.jobs),
+                    "more": len(group.jobs) - len(named),
+                    "named": [
+                        {
+                            "at": times.shown(j.first_at),
+                            "key": j.key,
+                            "task": f"{j.task_name}[{j.task_id}]",
+                            "events": j.events,
+                            "url": job_url(j.key),
+                        }
+                        for j in named
+                    ],
+                }
+            )
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "title": "What was unusual in a time window",
+        "since": since_text,
+        "until": until_text,
+        "report": report,
+        "summary": report.as_text().splitlines()[0] if report is not None else "",
+        "groups": groups,
+        "error": error,
+        "opts": model_admin.model._meta,
+    }
+    return TemplateResponse(request, "admin/django_outbox/window.html", context)
 
 
 def _page(found: explain.Explanation) -> dict[str, Any]:

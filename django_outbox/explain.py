@@ -131,6 +131,9 @@ def _resolve(query: str) -> tuple[dict[str, str], dict[str, str]]:
         return found
 
     exact = _keys_of(Q(idempotency_key=query), Q(key=query))
+    if not exact and letters.filter(idempotency_key=query).exists():
+        # Only dead letters hold it: a job no worker ran (the relay's, an unknown task's).
+        exact = [query]
     if exact:
         return with_letter(exact, "idempotency key"), {}
     # The ledger's task_id has no index (it would cost every effect an index write):

@@ -82,7 +82,10 @@ def history(redis_client: Any, queue: str) -> dict[str, Any]:
         queue=queue,
     )
     minute = start.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M")
+    since = start - dt.timedelta(minutes=5)
     yield {
+        "window_since": since.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M"),
+        "today": timezone.now().astimezone(dt.UTC).strftime("%Y-%m-%d"),
         "user": user.username,
         "password": password,
         "key": key,
@@ -190,6 +193,25 @@ def test_dashboard_job_page_and_replay_in_chromium(
         page.wait_for_selector("ul.messagelist")
         assert "Replayed 1 dead letter(s)." in page.locator("ul.messagelist").inner_text()
         page.screenshot(path=str(shots / "dead-letters.png"), full_page=True)
+
+        # The replayed letter stays in its job's verdict, with who closed it and when.
+        page.goto(f"{live_server.url}/admin/django_outbox/attempt/job/?q=counter:browser:op:1")
+        closed = page.locator("p.verdict").inner_text()
+        assert f"replayed at {history['today']}" in closed and history["user"] in closed, closed
+        page.screenshot(path=str(shots / "job-after-replay.png"), full_page=True)
+
+        # The window page: what was unusual in the last ten minutes, linked to each job.
+        page.goto(f"{live_server.url}/admin/django_outbox/attempt/window/")
+        page.fill("#window-since", history["window_since"])
+        page.click("#window-form input[type=submit]")
+        page.wait_for_selector("p.window-summary")
+        headings = page.locator("div.window-group h2").all_text_contents()
+        assert "retry scheduled: 1 time(s), 1 job(s)" in headings, headings
+        assert "dead-lettered: permanent error: 1 time(s), 1 job(s)" in headings, headings
+        page.screenshot(path=str(shots / "window.png"), full_page=True)
+        page.click(f"div.window-group a:text('{history['key']}')")
+        page.wait_for_selector("p.verdict")
+        assert "effect applied once" in page.locator("p.verdict").inner_text()
         browser.close()
     assert server_errors == []
     history["letter"].refresh_from_db()

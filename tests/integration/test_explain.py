@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 from django.db import connection
+from django.utils import timezone
 
 from django_outbox.models import Attempt, DeadLetter, Outcome, ProcessedOperation
 from tests.support.processes import ROOT, project_env
@@ -256,3 +257,20 @@ def test_a_replay_shows_what_it_led_to(db) -> None:
     events = explain_json(key)["matches"][0]["events"]
     [event] = [e for e in events if e["kind"] == "dead_letter"]
     assert event["data"]["replay_led_to"] == "ended applied"
+
+
+def test_a_key_only_dead_letters_hold_is_explained() -> None:
+    """A job no worker ran (the relay's letter, an unknown task's) has no attempt row."""
+    from django_outbox import explain
+
+    DeadLetter.objects.create(
+        task_id="t-relay",
+        task_name="shop.ship_order",
+        idempotency_key="order:ORD-8:ship",
+        reason="not_received",
+        first_seen=timezone.now(),
+        last_attempt=timezone.now(),
+    )
+    (found,) = explain.explain("order:ORD-8:ship")
+    assert found.matched_by == "idempotency key"
+    assert "never received" in found.verdict or "dead-lettered" in found.verdict, found.verdict
