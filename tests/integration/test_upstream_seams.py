@@ -72,7 +72,12 @@ def test_our_consumer_steps_are_added_once_per_app() -> None:
     worker_steps.install(app)
     worker_steps.install(app)
     added = set(app.steps["consumer"]) - before
-    assert added == {worker_steps.RecordUndecodable, worker_steps.RefuseMisshapen, LeaseKeeper}
+    assert added == {
+        worker_steps.RecordUndecodable,
+        worker_steps.RefuseMisshapen,
+        worker_steps.ArchiveDeadChildMetrics,
+        LeaseKeeper,
+    }
 
 
 @pytest.mark.parametrize("global_prefix", ["", "seam-prefix:"])
