@@ -46,6 +46,26 @@ FROM generate_series(50, %(jobs)s, 50) AS j;
 """
 
 
+def fill(jobs: int) -> None:
+    """The million rows, written once: filled again only when there are fewer."""
+    from django.db import connection
+
+    from django_outbox.models import Attempt
+
+    if Attempt.objects.count() >= jobs * 3:
+        return
+    print(f"filling: {jobs} jobs, {jobs * 3} attempt rows ...", flush=True)
+    started = time.perf_counter()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "TRUNCATE django_outbox_attempt, django_outbox_dead_letter, "
+            "django_outbox_processed_operation"
+        )
+        cursor.execute(FILL, {"jobs": jobs})
+        cursor.execute("VACUUM ANALYZE")
+    print(f"filled in {time.perf_counter() - started:.1f} s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", type=int, default=340_000)
@@ -53,23 +73,10 @@ def main() -> None:
     args = parser.parse_args()
     setup_django()
 
-    from django.db import connection
-
     from django_outbox import explain
     from django_outbox.models import Attempt, DeadLetter
 
-    rows = Attempt.objects.count()
-    if rows < args.jobs * 3:
-        print(f"filling: {args.jobs} jobs, {args.jobs * 3} attempt rows ...", flush=True)
-        started = time.perf_counter()
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "TRUNCATE django_outbox_attempt, django_outbox_dead_letter, "
-                "django_outbox_processed_operation"
-            )
-            cursor.execute(FILL, {"jobs": args.jobs})
-            cursor.execute("VACUUM ANALYZE")
-        print(f"filled in {time.perf_counter() - started:.1f} s", flush=True)
+    fill(args.jobs)
     rows = Attempt.objects.count()
     middle = args.jobs // 2 + 50 - (args.jobs // 2) % 50  # a dead-lettered job
     letter = DeadLetter.objects.get(task_id=f"job-{middle}")

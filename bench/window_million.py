@@ -20,7 +20,7 @@ from datetime import timedelta
 os.environ.setdefault("EXPLICIT_BENCH_DB", "explicit_bench_explain")
 
 from common import setup_django
-from explain_million import FILL
+from explain_million import fill
 
 
 def main() -> None:
@@ -30,21 +30,12 @@ def main() -> None:
     args = parser.parse_args()
     setup_django()
 
-    from django.db import connection
     from django.utils import timezone
 
     from django_outbox import window
     from django_outbox.models import Attempt
 
-    if Attempt.objects.count() < args.jobs * 3:
-        print(f"filling: {args.jobs} jobs, {args.jobs * 3} attempt rows ...", flush=True)
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "TRUNCATE django_outbox_attempt, django_outbox_dead_letter, "
-                "django_outbox_processed_operation"
-            )
-            cursor.execute(FILL, {"jobs": args.jobs})
-            cursor.execute("VACUUM ANALYZE")
+    fill(args.jobs)
     print(f"{Attempt.objects.count()} attempt rows")
     now = timezone.now()
     windows = {
