@@ -15,14 +15,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tests.support.scale import SCALE, scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 
-#: "short" (the suite's default, CI) or "full" (``scripts/chaos``).
-SCALE = os.environ.get("EXPLICIT_CHAOS", "short")
-
-
-def scaled(short: int, full: int) -> int:
-    return full if SCALE == "full" else short
+__all__ = ["SCALE", "Row", "results_file", "scaled"]
 
 
 def results_file() -> Path:

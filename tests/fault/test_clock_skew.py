@@ -18,6 +18,7 @@ import uuid
 import pytest
 
 from django_outbox.models import Attempt, Outcome
+from tests.support.scale import scaled
 from tests.support.waiting import wait_for
 from tests.testapp.models import Counter
 from tests.testapp.tasks import HoldsTheLine
@@ -28,7 +29,7 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-ROUNDS = 2
+ROUNDS = scaled(1, 10)  # 10 under scripts/chaos (full scale)
 SECONDS = 14.0  # the job outlasts its 10 s lease: only the heartbeat keeps it
 SKEW = "40"  # more than the lease, less than the tests' 60 s backstop
 

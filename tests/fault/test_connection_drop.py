@@ -29,6 +29,7 @@ from kombu import Connection
 
 from django_outbox.models import ProcessedOperation
 from tests.support.proxy import CuttableProxy
+from tests.support.scale import scaled
 from tests.support.servers import PrivateRedis
 from tests.support.waiting import wait_for
 from tests.testapp.models import Counter
@@ -40,7 +41,7 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-ROUNDS = 2
+ROUNDS = scaled(1, 10)  # 10 under scripts/chaos (full scale)
 SECONDS = 14.0  # the job; its lease is 10 s
 CUT_AFTER = 2.0
 

@@ -21,6 +21,7 @@ from kombu import Connection
 
 from django_outbox.models import Attempt, Outcome
 from tests.conftest import RABBITMQ_URL
+from tests.support.scale import scaled
 from tests.support.waiting import wait_for
 from tests.support.workers import Worker
 from tests.testapp.models import Counter, Profile
@@ -32,7 +33,8 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-ROUNDS = 3
+#: Rounds of each case: 2 in the suite, a dozen under scripts/chaos (full scale).
+ROUNDS = scaled(2, 12)
 #: The job outlasts its lease (HoldsTheLine.visibility_timeout = 10 s): without a
 #: heartbeat while the worker drains, another worker takes it over before it ends.
 SECONDS = 14.0
@@ -88,7 +90,7 @@ def test_sigterm_mid_job_runs_it_once(start_worker, redis_client, broker, drain,
         # drain heartbeat or not. Measured both ways, so a change in that is seen.
         expected = "starts=1 effect=1"
     # Rolling deploys of several workers at scale: tests/chaos/test_r11_deploys.py.
-    rounds = ROUNDS if broker != RABBITMQ_URL else 2
+    rounds = ROUNDS if broker != RABBITMQ_URL else scaled(1, 6)
     outcomes = Tally(
         sigterm_mid_job(start_worker, redis_client, env, broker) for _ in range(rounds)
     )
