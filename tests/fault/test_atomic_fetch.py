@@ -34,6 +34,7 @@ import pytest
 import redis
 from kombu import Connection
 
+from tests.support.scale import scaled
 from tests.support.servers import PrivateRedis
 from tests.support.waiting import wait_for
 from tests.support.workers import Worker
@@ -46,7 +47,7 @@ pytestmark = [
     pytest.mark.timeout(300),
 ]
 
-ROUNDS = 10
+ROUNDS = scaled(6, 20)  # 20 under scripts/chaos (full scale)
 #: The commands a consumer waits in: kombu's, and the atomic fetch's.
 WAITS = {"brpop", "blmove"}
 

@@ -26,13 +26,14 @@ from kombu import Connection
 
 from django_outbox.models import Attempt, Fence, Outcome
 from tests.conftest import RABBITMQ_URL
+from tests.support.scale import scaled
 from tests.support.waiting import wait_for
 from tests.testapp.models import Counter, OrderState, Profile
 from tests.testapp.tasks import HoldsTheLine, ShipToAddress
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
-ROUNDS = 5
+ROUNDS = scaled(3, 10)  # 10 under scripts/chaos (full scale)
 
 
 def stop_and_wake(redis_client, queue: str, order_id: int) -> str:  # type: ignore[no-untyped-def]
