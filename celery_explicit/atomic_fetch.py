@@ -275,10 +275,16 @@ def _read(channel: Any, **options: Any) -> bool:
         try:
             payload = loads(bytes_to_str(item))
         except (ValueError, RecursionError) as exc:  # the server's JSON reader took it
-            # (lua-cjson nests 1,000 deep, Python's reader less), Python's did not
+            # (lua-cjson nests 1,000 deep, Python 3.11's reader less), Python's did not
             _set_aside(channel, fetch, dest, item, bytes_to_str(tag))
             _unreadable(dest, f"cannot be read ({exc})")
             raise Empty() from None
+        if not isinstance(payload, dict) or not isinstance(payload.get("body"), str | bytes):
+            # kombu's envelope carries its body as text (JSON or base64): anything else
+            # cannot be decoded by any consumer, whichever Python read the envelope.
+            _set_aside(channel, fetch, dest, item, bytes_to_str(tag))
+            _unreadable(dest, "has a body that is not text")
+            raise Empty()
         channel.explicit_fetched = True
         try:
             channel.connection._deliver(payload, dest)

@@ -162,8 +162,9 @@ def test_a_message_that_is_not_kombu_s_is_set_aside_and_the_next_one_delivered(
     counted = REGISTRY.get_sample_value("explicit_unreadable_messages_total", {"queue": queue})
     not_json = b"not json"
     no_tag = b'{"properties": {}, "body": "x"}'
-    # JSON to the server (lua-cjson reads 1,000 levels deep), not to Python (its
-    # reader stops short of that): taken, recorded, then set aside from unacked.
+    # JSON to the server (lua-cjson reads 1,000 levels deep), but not a kombu message:
+    # Python 3.11's reader stops short of that depth, 3.13's reads it and finds a body
+    # that is not text. Either way: taken, recorded, then set aside from unacked.
     too_deep = (
         b'{"properties": {"delivery_tag": "t-too-deep"}, "body": ' + b"[" * 999 + b"]" * 999 + b"}"
     )
