@@ -13,6 +13,7 @@ import io
 import json
 import os
 import signal
+import time
 import uuid
 from typing import Any
 
@@ -107,6 +108,20 @@ def test_a_whole_worker_killed_mid_job_is_counted_with_its_cause(start_worker, r
     process is gone on this host: it died, it was not merely late."""
     first = start_worker(concurrency=1)
     key, pid = hold(redis_client, first.queue, seconds=2)
+    first.kill_group()
+    start_worker(concurrency=1)
+    applied(key)
+    assert_killed_execution_told(key, pid)
+
+
+def test_a_sigterm_then_a_sigkill_mid_job_is_counted_with_its_cause(start_worker, redis_client):
+    """A deploy that does not wait: SIGTERM (a warm shutdown starts draining the job),
+    then SIGKILL of the whole worker before the job ends. Its message comes back to
+    another worker; the drained execution died, and is told as such."""
+    first = start_worker(concurrency=1)
+    key, pid = hold(redis_client, first.queue, seconds=4)
+    first.process.send_signal(signal.SIGTERM)
+    time.sleep(1)
     first.kill_group()
     start_worker(concurrency=1)
     applied(key)
