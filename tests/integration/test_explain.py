@@ -3,42 +3,23 @@ rows they left. Each verdict must name the right causes and counts."""
 
 from __future__ import annotations
 
-import io
-import json
 import subprocess
 import sys
 import uuid
 from typing import Any
 
 import pytest
-from django.core.management import call_command
 from django.db import connection
 from django.utils import timezone
 
 from django_outbox.models import Attempt, DeadLetter, Outcome, ProcessedOperation
+from tests.support.explaining import explain, explain_json, verdict_of
 from tests.support.processes import ROOT, project_env
 from tests.support.waiting import wait_for
 from tests.testapp.models import Counter
 from tests.testapp.tasks import Declined, Increment, RetryThenSucceed
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
-
-
-def explain(what: str) -> str:
-    out = io.StringIO()
-    call_command("explain", what, stdout=out)
-    return out.getvalue()
-
-
-def explain_json(what: str) -> dict[str, Any]:
-    out = io.StringIO()
-    call_command("explain", what, "--json", stdout=out)
-    data: dict[str, Any] = json.loads(out.getvalue())
-    return data
-
-
-def verdict_of(text: str) -> str:
-    return next(line for line in text.splitlines() if "verdict:" in line)
 
 
 def test_a_message_published_three_times_applied_once(start_worker, queue) -> None:

@@ -9,8 +9,6 @@ closed them and when; a bare number says which rule each match came from.
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import signal
 import time
@@ -18,32 +16,15 @@ import uuid
 from typing import Any
 
 import pytest
-from django.core.management import call_command
 
 from django_outbox import dead_letters, times
 from django_outbox.models import Attempt, DeadLetter, Fence, Outcome
+from tests.support.explaining import explain, explain_json, verdict_of
 from tests.support.waiting import wait_for
 from tests.testapp.models import Counter, Profile
 from tests.testapp.tasks import Declined, HoldsTheLine, Increment, ShipToAddress
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
-
-
-def explain(what: str) -> str:
-    out = io.StringIO()
-    call_command("explain", what, stdout=out)
-    return out.getvalue()
-
-
-def explain_json(what: str) -> dict[str, Any]:
-    out = io.StringIO()
-    call_command("explain", what, "--json", stdout=out)
-    data: dict[str, Any] = json.loads(out.getvalue())
-    return data
-
-
-def verdict_of(text: str) -> str:
-    return next(line for line in text.splitlines() if "verdict:" in line)
 
 
 def hold(redis_client, queue: str, seconds: float) -> tuple[str, int]:  # type: ignore[no-untyped-def]

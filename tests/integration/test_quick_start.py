@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.support.processes import ROOT, ManagedProcess
+from tests.support.processes import ROOT, ManagedProcess, run
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.wheel, pytest.mark.worker]
@@ -53,20 +52,6 @@ def blocks(section: str) -> dict[str, str]:
         if first.startswith("# "):
             found[first[2:]] = body
     return found
-
-
-def run(command: list[str | Path], *, timeout: float, **kwargs: object) -> str:
-    """Run ``command``; its output, or a failure that shows it."""
-    done = subprocess.run(
-        [str(part) for part in command],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-        **kwargs,  # type: ignore[call-overload]
-    )
-    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout[-4000:]}"
-    return str(done.stdout)
 
 
 @pytest.fixture

@@ -28,24 +28,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.support.processes import run
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("celery_explicit", "django_outbox")
 
 pytestmark = [pytest.mark.wheel, pytest.mark.worker]
-
-
-def run(command: list[str | Path], *, timeout: float, **kwargs: object) -> str:
-    """Run ``command``; its output, or a failure that shows it."""
-    done = subprocess.run(
-        [str(part) for part in command],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-        **kwargs,  # type: ignore[call-overload]
-    )
-    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout[-4000:]}"
-    return str(done.stdout)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,20 @@ Ready = str | Callable[[], bool]
 """When a process is ready: a line its log shows, or a check that answers True."""
 
 
+def run(command: Sequence[str | Path], *, timeout: float, **kwargs: object) -> str:
+    """Run ``command`` to its end; its output, or a failure that shows it."""
+    done = subprocess.run(
+        [str(part) for part in command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        **kwargs,  # type: ignore[call-overload]
+    )
+    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout[-4000:]}"
+    return str(done.stdout)
+
+
 def project_env(
     *, db_name: str, queue: str, extra: Mapping[str, str] | None = None
 ) -> dict[str, str]:
