@@ -33,15 +33,18 @@ def stamp(at: datetime | None) -> str:
     return times.shown(at)
 
 
+#: Why a job was deferred (``Attempt.deferrals``, by step), in words.
+DEFERRALS = {
+    "ordering": "waiting for its entity's turn",
+    "execution_lease": "another execution held the job",
+    "downstream": "the downstream was busy or open",
+    "database": "the database could not be written",
+}
+
+
 def deferral_text(counts: dict[str, int]) -> str:
     """``{"execution_lease": 2}`` as words: why the job waited, and how often."""
-    why = {
-        "ordering": "waiting for its entity's turn",
-        "execution_lease": "another execution held the job",
-        "downstream": "the downstream was busy or open",
-        "database": "the database could not be written",
-    }
-    return ", ".join(f"{n}x {why.get(step, step)}" for step, n in sorted(counts.items()))
+    return ", ".join(f"{n}x {DEFERRALS.get(step, step)}" for step, n in sorted(counts.items()))
 
 
 def holder_attempt(fence: Fence, attempts: list[Attempt]) -> Attempt | None:

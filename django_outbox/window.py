@@ -26,27 +26,12 @@ from datetime import UTC, datetime, time, timedelta
 from django.db.models import Q
 
 from celery_explicit.outcomes import DeadLetterReason, Outcome
-from django_outbox import times
+from django_outbox import times, verdict
 from django_outbox.conf import settings
 from django_outbox.models import Attempt, DeadLetter, Fence
 
 #: Attempt outcomes that are not news: the job did what it was asked, once.
 ORDINARY = frozenset({Outcome.APPLIED, Outcome.SUCCEEDED})
-
-#: Why a job was deferred (``Attempt.deferrals``), in the words of its timeline.
-DEFERRED = {
-    "ordering": "deferred: waiting for its entity's turn",
-    "execution_lease": "deferred: another execution held the job",
-    "downstream": "deferred: the downstream was busy or its breaker open",
-    "database": "deferred: the database could not be written",
-}
-
-#: Takeovers of a running job's execution lease (``Fence.cause``).
-TAKEOVER = {
-    "holder_dead": "taken over: its process died",
-    "lease_expired": "taken over: its lease ran out (a stopped or cut-off holder)",
-    "": "taken over (cause not recorded)",
-}
 
 #: How many jobs each group names; the counts cover them all.
 DEFAULT_LIMIT = 20
@@ -185,7 +170,7 @@ def report(since: datetime, until: datetime, *, using: str | None = None) -> Win
         if redelivered:
             group("redelivered", "redelivered by the broker").add(key, task_id, task_name, at)
         for why in deferrals or {}:
-            label = DEFERRED.get(why, f"deferred: {why}")
+            label = f"deferred: {verdict.DEFERRALS.get(why, why)}"
             group(f"deferred:{why}", label).add(key, task_id, task_name, at)
 
     takeovers = (
@@ -195,7 +180,7 @@ def report(since: datetime, until: datetime, *, using: str | None = None) -> Win
     )
     names = _task_names(db, (t[1] for t in takeovers))
     for key, task_id, cause, at in takeovers:
-        label = TAKEOVER.get(cause, f"taken over: {cause}")
+        label = f"taken over {verdict.CAUSES.get(cause, cause)}"
         group(f"takeover:{cause}", label).add(key, task_id, names.get(task_id, "?"), at)
 
     letters = (

@@ -78,7 +78,7 @@ def test_a_window_groups_what_was_unusual_by_cause() -> None:
         "order:ORD-2:ship",
         "order:ORD-6:ship",
     ]
-    assert by_cause["takeover:holder_dead"].label == "taken over: its process died"
+    assert by_cause["takeover:holder_dead"].label == "taken over after its holder died"
     assert by_cause["takeover:holder_dead"].named(20)[0].task_name == "shop.ship_order"
     assert by_cause["dead_letter:conflict"].label == "dead-lettered: idempotency conflict"
     assert by_cause["outcome:retry_scheduled"].label == "retry scheduled"
