@@ -273,8 +273,11 @@ def release(task_id: str, fence: int, *, client: Any | None = None) -> bool:
     """Give the lease back; False when it had already been taken over (logged)."""
     conn = client or redis_state.client()
     head = redis_state.prefix()  # one settings read per job, not one per key
-    keys = [lease_key(task_id, prefix=head), marker_key(task_id, prefix=head)]
-    keys.append(fence_key(task_id, prefix=head))
+    keys = [
+        lease_key(task_id, prefix=head),
+        marker_key(task_id, prefix=head),
+        fence_key(task_id, prefix=head),
+    ]
     released = bool(call(conn, RELEASE, keys, [fence]))
     if not released:
         logger.warning(
