@@ -87,12 +87,17 @@ class RetryPolicy:
         return backoff_delay(attempt, base=self.backoff_base, cap=self.backoff_cap, rng=rng)
 
 
+def backoff_ceiling(attempt: int, *, base: float, cap: float) -> float:
+    """The longest backoff after the ``attempt``-th failure (1-based): the jitter's
+    upper bound, and what a reader of the schedule (a retention floor) must allow."""
+    if attempt < 1:
+        raise ValueError(f"attempt counts from 1, got {attempt}")
+    # Bound the exponent so a large attempt number cannot overflow the float.
+    return min(cap, base * float(2 ** min(attempt - 1, 62)))
+
+
 def backoff_delay(
     attempt: int, *, base: float, cap: float, rng: random.Random | None = None
 ) -> float:
     """Full-jitter exponential backoff for the ``attempt``-th failure (1-based)."""
-    if attempt < 1:
-        raise ValueError(f"attempt counts from 1, got {attempt}")
-    # Bound the exponent so a large attempt number cannot overflow the float.
-    ceiling = min(cap, base * (2 ** min(attempt - 1, 62)))
-    return (rng or random).uniform(0.0, ceiling)
+    return (rng or random).uniform(0.0, backoff_ceiling(attempt, base=base, cap=cap))

@@ -71,7 +71,7 @@ from django.db.models import Max, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from celery_explicit import worker_steps
+from celery_explicit import retry_policy, worker_steps
 from celery_explicit.errors import ContractError
 from django_outbox.checks import reads_settings
 from django_outbox.conf import settings
@@ -319,7 +319,8 @@ def retry_schedule(contract: Any) -> float:
     retries = max(0, policy.max_attempts - 1)
     run = contract.max_run_time or contract.visibility_timeout
     delays = sum(
-        min(policy.backoff_cap, policy.backoff_base * 2 ** min(n, 62)) for n in range(retries)
+        retry_policy.backoff_ceiling(n, base=policy.backoff_base, cap=policy.backoff_cap)
+        for n in range(1, retries + 1)
     )
     return float(delays + retries * run)
 
