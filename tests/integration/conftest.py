@@ -4,9 +4,25 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
+
+from tests.support.servers import PrivateRedis
+
+
+@pytest.fixture(scope="module")
+def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A redis-server nobody else talks to (one per test module); its socket's path. For
+    what must not touch the shared server: FUNCTION DELETE, FLUSHALL."""
+    server = PrivateRedis(tmp_path_factory.mktemp("redis"), unix_socket=True, durable=False)
+    server.start()
+    try:
+        assert server.socket_path is not None
+        yield server.socket_path
+    finally:
+        server.stop()
 
 
 @pytest.fixture

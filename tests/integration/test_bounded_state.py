@@ -15,7 +15,6 @@ import redis
 
 from celery_explicit import execution_lease, ordering, redis_scripts, redis_state
 from celery_explicit.locks import LeaseLock
-from tests.support.servers import PrivateRedis
 
 # --- lock fence counters ------------------------------------------------------------------
 
@@ -142,17 +141,6 @@ def test_a_forgotten_entity_is_a_new_one(redis_client: redis.Redis, key: str) ->
 
 
 # --- function libraries -------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    server = PrivateRedis(tmp_path_factory.mktemp("redis"), unix_socket=True, durable=False)
-    server.start()
-    try:
-        assert server.socket_path is not None
-        yield server.socket_path
-    finally:
-        server.stop()
 
 
 @pytest.fixture

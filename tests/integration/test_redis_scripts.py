@@ -18,19 +18,6 @@ import redis
 
 from celery_explicit import redis_scripts
 from celery_explicit.locks import LeaseLock
-from tests.support.servers import PrivateRedis
-
-
-@pytest.fixture(scope="module")
-def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A redis-server nobody else talks to; the path of its socket."""
-    server = PrivateRedis(tmp_path_factory.mktemp("redis"), unix_socket=True, durable=False)
-    server.start()
-    try:
-        assert server.socket_path is not None
-        yield server.socket_path
-    finally:
-        server.stop()
 
 
 @pytest.fixture
