@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     setup_django()
 
-    from django_outbox import explain
+    from django_outbox.incident import explain
     from django_outbox.models import Attempt, DeadLetter
 
     fill(args.jobs)
@@ -122,7 +122,7 @@ def main() -> None:
     # letters by reason and the outbox, per window.
     from django.utils import timezone
 
-    from django_outbox import dashboard
+    from django_outbox.admin import dashboard
 
     for hours, minutes in dashboard.WINDOWS.items():
         times = []

@@ -3,7 +3,7 @@
 Writer processes commit outbox events (``dispatch(..., durable=True)`` of an
 ExplicitTask, NOTIFY included; one per transaction unless ``--per-transaction``) at a
 fixed total rate, open loop (a late writer does not slow the schedule down). One
-``manage.py outbox_relay`` process (``--relays N``: N of them, sharing the backlog),
+``manage.py explicit_relay`` process (``--relays N``: N of them, sharing the backlog),
 woken by LISTEN/NOTIFY, publishes to Redis; a consumer thread BRPOPs the queue and
 stamps each message's arrival. Lag = arrival - commit, per event. Target: p99 <= 50 ms
 at 1,000 events/s.
@@ -83,8 +83,8 @@ def main() -> None:
     from django.db import connection, connections, transaction
 
     from bench.benchapp.tasks import ExplicitUpdate
-    from django_outbox.dispatch import dispatch
     from django_outbox.models import OutboxEvent
+    from django_outbox.outbox.dispatch import dispatch
 
     OutboxEvent.objects.all().delete()
     vacuum()
@@ -99,7 +99,14 @@ def main() -> None:
     relays = []
     for _ in range(args.relays):
         relay = subprocess.Popen(
-            [sys.executable, "-m", "django", "outbox_relay", "--batch-size", str(args.batch_size)],
+            [
+                sys.executable,
+                "-m",
+                "django",
+                "explicit_relay",
+                "--batch-size",
+                str(args.batch_size),
+            ],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

@@ -31,8 +31,8 @@ def main() -> None:
     from django.db import connection
 
     from bench.benchapp.models import Row
-    from django_outbox import ledger
     from django_outbox.models import ProcessedOperation
+    from django_outbox.store import ledger
 
     reset_rows()
     connection.ensure_connection()

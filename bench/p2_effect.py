@@ -30,7 +30,7 @@ def main() -> None:
     from django.db.models import F
 
     from bench.benchapp.models import Row
-    from django_outbox import ledger
+    from django_outbox.store import ledger
 
     reset_rows()
 

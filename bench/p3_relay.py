@@ -1,7 +1,7 @@
 """P3: outbox relay throughput vs kombu's own batched publish of the same messages.
 
 A backlog of N pending outbox events (an ExplicitTask with an idempotency key), written
-as ``django_outbox.outbox.write`` writes them (key and correlation id in the stored
+as ``django_outbox.outbox.events.write`` writes them (key and correlation id in the stored
 headers), is relayed by ``Relay.drain()`` in this process: claim (FOR UPDATE SKIP
 LOCKED), build each Celery message (arguments bound, key rendered), publish through
 kombu's ``Producer.batch`` pipeline, mark published, commit. The baselines publish the
@@ -62,9 +62,9 @@ def main() -> None:
 
     from bench.benchapp.tasks import ExplicitUpdate
     from bench.celery_app import app
-    from django_outbox.claim import CLAIM_POSTGRESQL
     from django_outbox.models import OutboxEvent
-    from django_outbox.relay import Relay
+    from django_outbox.outbox.relay.claim import CLAIM_POSTGRESQL
+    from django_outbox.outbox.relay.loop import Relay
 
     task = app.tasks[ExplicitUpdate.name]
     broker = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)

@@ -62,7 +62,7 @@ def main() -> None:
     from django.core.cache import cache, caches
     from django_redis import get_redis_connection
 
-    from django_outbox.cache import VersionedCache
+    from django_outbox.cache.versioned import VersionedCache
 
     tag = uuid.uuid4().hex[:6]
     profile = {"name": "Ada Lovelace", "email": "ada@example.com", "bio": "x" * 200}

@@ -1,7 +1,7 @@
 """Retention: rows and bytes per million jobs in each table, before and after a prune.
 
 Jobs of an ExplicitTask (one row update in its effect) are written to the outbox
-(``dispatch(..., durable=True)``), published by a ``manage.py outbox_relay`` and run by
+(``dispatch(..., durable=True)``), published by a ``manage.py explicit_relay`` and run by
 a real worker (prefork ``-c 2``): each leaves the rows a production job leaves. Then
 every table is measured (``count(*)``, ``pg_total_relation_size``: heap, indexes and
 TOAST) minus the same tables emptied and ``VACUUM FULL``-ed before the run, and scaled
@@ -71,8 +71,8 @@ def main() -> None:
 
     from bench.benchapp.tasks import ExplicitUpdate
     from bench.celery_app import app
-    from django_outbox.dispatch import dispatch
     from django_outbox.models import DeadLetter, Fence, OutboxEvent, PruneRecord
+    from django_outbox.outbox.dispatch import dispatch
 
     task = app.tasks[ExplicitUpdate.name]  # the registered instance
     reset_rows()
@@ -88,7 +88,7 @@ def main() -> None:
         "PYTHONPATH": str(ROOT),
     }
     relay = subprocess.Popen(
-        [sys.executable, "-m", "django", "outbox_relay"],
+        [sys.executable, "-m", "django", "explicit_relay"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

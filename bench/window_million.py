@@ -1,4 +1,4 @@
-"""The window report (``manage.py explain --since ... --until ...``) on a million attempt
+"""The window report (``manage.py explicit_explain --since ... --until ...``) on a million attempt
 rows: how long one report takes.
 
 Uses ``explain_million.py``'s database and its fill (``--jobs`` jobs of three attempts,
@@ -32,7 +32,7 @@ def main() -> None:
 
     from django.utils import timezone
 
-    from django_outbox import window
+    from django_outbox.incident import window
     from django_outbox.models import Attempt
 
     fill(args.jobs)

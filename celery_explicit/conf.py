@@ -364,7 +364,7 @@ class Settings:
     )
     #: Seconds after its publish with no trace of a worker receiving it (no attempt,
     #: ledger row, dead letter or lease) and its queue past it, before the relay
-    #: publishes an event again (``django_outbox.reconcile``); 0 is off.
+    #: publishes an event again (``django_outbox.outbox.relay.reconcile``); 0 is off.
     outbox_reconcile_after: Setting[float] = Setting(300.0, _float, at_least=0)
     #: Publishes again of one event before it is dead-lettered (``not_received``).
     outbox_reconcile_limit: Setting[int] = Setting(3, _int, at_least=0)
@@ -400,7 +400,7 @@ class Settings:
     #: longer has its channel closed. AMQP cannot read it; set it to what your
     #: rabbitmq.conf says (``manage.py check``: django_outbox.W011); 0 turns the check off.
     rabbitmq_consumer_timeout: Setting[float] = Setting(1800.0, _float, at_least=0)
-    #: *environment* Port where ``manage.py outbox_relay`` serves its own metrics (the
+    #: *environment* Port where ``manage.py explicit_relay`` serves its own metrics (the
     #: relay is one process: no multiprocess directory); 0 is off.
     relay_metrics_port: Setting[int] = Setting(0, _int, env=True, at_least=0, at_most=65535)
     #: The bearer token of the Django metrics view (database and broker gauges); unset:

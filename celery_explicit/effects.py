@@ -2,7 +2,7 @@
 
 The handler's tool against a second effect: the key of record (rendered when the
 execution began) is claimed in the effect's own transaction by the store's ledger
-(``django_outbox.ledger``), so a redelivery, a retry or a concurrent worker with the
+(``django_outbox.store.ledger``), so a redelivery, a retry or a concurrent worker with the
 same key is told ``done`` instead of applying it again; a paused execution whose lease
 was taken over has its commit refused by the fence. The attempt row joins the same
 commit, so ``applied`` is recorded exactly when the effect committed.

@@ -2,7 +2,7 @@
 
 A key like ``payment:{payment_id}:capture`` names *the effect*, not the message: a retry,
 a redelivery or a replay of the same capture renders the same key, so the effect ledger
-(``django_outbox.ledger``) can apply it once. A key must therefore be built only from
+(``django_outbox.store.ledger``) can apply it once. A key must therefore be built only from
 arguments that identify the business operation, never from a task id, a timestamp or a
 random value; that is why template fields must be parameters of ``run()``.
 

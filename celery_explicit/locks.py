@@ -6,7 +6,7 @@ a TTL, only its owner (the random token it got at acquisition) can release or ex
 it, each of those is one atomic Lua step (a Redis function, or a script where functions are
 unavailable), and every acquisition gets a fencing token: a
 number that only grows, so a write can refuse a holder that lost its lock while paused
-(``django_outbox.fencing.fenced_update``). An acquisition whose reply was lost, sent
+(``django_outbox.store.guarded_writes.fenced_update``). An acquisition whose reply was lost, sent
 again by redis-py's retry, finds its own value and gets its fence back: it is not
 refused by the lock it set itself.
 

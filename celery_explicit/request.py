@@ -7,7 +7,7 @@ Celery unpacks a task body as ``[args, kwargs, embed]`` while building the reque
 the consumer; a body that decodes to anything else raises a ValueError there, which
 Celery 5.7 treats as an unrecoverable error and stops the whole worker (and the
 unacked message comes back to stop the next one). Raising InvalidTaskError instead
-makes Celery reject the one message; ``django_outbox.receivers`` records it as a dead
+makes Celery reject the one message; ``django_outbox.store.unreached`` records it as a dead
 letter with its raw body, and the worker goes on consuming.
 
 A protocol 1 body is decoded in the main process and pickled to the pool (protocol 2

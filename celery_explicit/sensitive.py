@@ -15,7 +15,7 @@ Declared fields are replaced by ``[redacted]``
   confirmation page says so;
 - in dead letters of every reason, whoever writes them (the job path, the worker's
   main process after a hard time limit, the relay, the reconciler): their arguments,
-  raw body, error and traceback (``for_task``, applied by ``django_outbox.dead_letters``);
+  raw body, error and traceback (``for_task``, applied by ``django_outbox.store.dead_letters``);
 - in attempt rows' error text and our log lines;
 - in what Celery logs and stores for a retry (``Task ... retry: Retry in 2s: ...``,
   the RETRY state): the error handed to ``retry()`` is a scrubbed copy (``error``);

@@ -320,7 +320,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
     @property
     def fencing_token(self) -> int | None:
         """This execution's fencing token, for your own guarded writes
-        (``django_outbox.fencing.fenced_update``); None without an execution lease."""
+        (``django_outbox.store.guarded_writes.fenced_update``); None without an execution lease."""
         return current(self.request, self.name).fence
 
     def set_external_request_id(self, value: str) -> None:

@@ -14,7 +14,7 @@ continue it later):
 span                  kind       opened by
 ====================  =========  ==============================================
 ``publish <task>``    PRODUCER   ``ExplicitTask.apply_async`` around the send
-``outbox write <t>``  INTERNAL   ``django_outbox.outbox.write`` around the insert
+``outbox write <t>``  INTERNAL   ``django_outbox.outbox.events.write`` around the insert
 ``relay publish <t>`` PRODUCER   the relay, child of the row's stored context
 ``attempt <task>``    CONSUMER   ``pipeline.deliver``, child of the message's
 ====================  =========  ==============================================

@@ -16,7 +16,7 @@
   there, which Celery treats as an unrecoverable error: the worker stopped, and the
   unacked message came back to stop the next one. The step makes such an error
   Celery's own ``InvalidTaskError``: the one message is rejected and dead-lettered
-  (``django_outbox.receivers``). So is a message whose headers or body nest deeper
+  (``django_outbox.store.unreached``). So is a message whose headers or body nest deeper
   than ``request.MAX_NESTING`` (see ``celery_explicit.request``), before Celery reads it.
 
 Bootsteps are Celery's documented extension point for the consumer

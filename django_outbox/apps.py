@@ -11,12 +11,9 @@ class DjangoOutboxConfig(AppConfig):
         # live beside the prune they guard) and the worker-side signal receivers that
         # record messages the task code never sees.
         from celery_explicit import store as explicit_store
-        from django_outbox import (
-            checks,  # noqa: F401
-            receivers,  # noqa: F401
-            retention,  # noqa: F401
-        )
-        from django_outbox.store import DjangoStore
+        from django_outbox import checks, retention  # noqa: F401
+        from django_outbox.store import unreached  # noqa: F401
+        from django_outbox.store.backend import DjangoStore
 
         # The job path records through this store: celery_explicit never imports us.
         explicit_store.register(DjangoStore())

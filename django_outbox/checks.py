@@ -320,7 +320,7 @@ def check_key_renames(
     database, so only ``check --database <alias>`` runs it (as Django's own)."""
     from django.db import DatabaseError
 
-    from django_outbox import key_templates
+    from django_outbox.store import key_history
 
     if settings.database not in (kwargs.get("databases") or ()):
         return []
@@ -330,7 +330,7 @@ def check_key_renames(
             for t in _loaded_tasks(settings.celery_app())
             if isinstance(t.contract.idempotency_key, str)
         }
-        recorded = key_templates.renamed()
+        recorded = key_history.renamed()
     except (DatabaseError, ImportError, ContractError):
         return []  # no table yet (before migrate), no app, a bad task: others say so
     found: list[checks.CheckMessage] = []

@@ -19,7 +19,7 @@ class OutboxError(ExplicitError):
     to catch every error of this app."""
 
 
-# --- the cache (django_outbox.cache) ---------------------------------------------------
+# --- the cache (django_outbox.cache.versioned) ---------------------------------------------------
 
 
 class CacheKeyError(OutboxError, ValueError):

@@ -25,7 +25,6 @@ from django.db.models.functions import Now
 # Re-exported: the enums of our data are the Celery side's words (celery_explicit.outcomes).
 from celery_explicit.outcomes import DeadLetterReason as DeadLetterReason
 from celery_explicit.outcomes import Outcome as Outcome
-from django_outbox.claim import OutboxEventManager
 
 
 class DeadLetterStatus(models.TextChoices):
@@ -37,7 +36,7 @@ class DeadLetterStatus(models.TextChoices):
 class ProcessedOperation(models.Model):
     """The effect ledger: one row per idempotency key whose effect committed.
 
-    Written in the same transaction as the effect (``django_outbox.ledger.effect``), so
+    Written in the same transaction as the effect (``django_outbox.store.ledger.effect``), so
     a row exists if and only if the effect committed.
     """
 
@@ -210,7 +209,7 @@ class KeyTemplate(models.Model):
 
 class Dashboard(Attempt):
     """No table of its own: the admin index's entry for the dashboard
-    (``django_outbox.dashboard``), readable by whoever may read the attempts."""
+    (``django_outbox.admin.dashboard``), readable by whoever may read the attempts."""
 
     class Meta:
         proxy = True
@@ -303,8 +302,8 @@ class OutboxEvent(models.Model):
     """A job or domain event written in the business transaction, published after commit.
 
     The row commits or rolls back with the business change that caused it;
-    ``manage.py outbox_relay`` publishes it with ``event_id`` as the Celery task id and
-    marks it published in the transaction that claimed it (``django_outbox.relay``).
+    ``manage.py explicit_relay`` publishes it with ``event_id`` as the Celery task id and
+    marks it published in the transaction that claimed it (``django_outbox.outbox.relay.loop``).
     ``id`` is the creation order: events sharing an ``ordering_key`` are published in it.
     """
 
@@ -332,18 +331,18 @@ class OutboxEvent(models.Model):
     published_at = models.DateTimeField(null=True, blank=True)
     attempts = models.PositiveIntegerField(default=0, help_text="publish attempts")
     last_error = models.TextField(blank=True, default="")
-    # django_outbox.reconcile: when a worker's trace of the job was found (the event is
+    # django_outbox.outbox.relay.reconcile: when a worker's trace of the job was found (the event is
     # not looked at again), and how often it was published again for want of one.
     checked_at = models.DateTimeField(
         null=True, blank=True, help_text="a worker's trace of its job was found"
     )
-    # db_default: django_outbox.outbox inserts rows with SQL of its own.
+    # db_default: django_outbox.outbox.events inserts rows with SQL of its own.
     republished = models.PositiveSmallIntegerField(
         default=0, db_default=0, help_text="published again: no worker had received it"
     )
 
-    # The queryset's methods, and the relay's claim (django_outbox.claim).
-    objects = OutboxEventManager.from_queryset(OutboxEventQuerySet)()
+    # The relay's claim is SQL of its own (django_outbox.outbox.relay.claim.claim_batch).
+    objects = OutboxEventQuerySet.as_manager()
 
     class Meta:
         db_table = "django_outbox_event"
@@ -375,13 +374,13 @@ class OutboxEvent(models.Model):
                 condition=Q(status=OutboxStatus.PENDING),
                 name="django_outbox_ev_key_idx",
             ),
-            # outbox_prune.
+            # explicit_prune.
             models.Index(
                 fields=["published_at"],
                 condition=Q(status=OutboxStatus.PUBLISHED),
                 name="django_outbox_ev_pub_idx",
             ),
-            # django_outbox.reconcile: published events no worker's trace was found for
+            # django_outbox.outbox.relay.reconcile: published events no worker's trace was found for
             # yet (as small as the last reconcile_after seconds of publishes).
             models.Index(
                 fields=["published_at"],

@@ -9,7 +9,7 @@ than their retention (``EXPLICIT_RETAIN_*``, seconds):
 - **dead letters** resolved (replayed or discarded) by ``resolved_at``. An open dead
   letter is never pruned, however old: it is the evidence of a job nobody looked at;
 - **outbox events** published by ``published_at``, once reconciliation is done with
-  them (``django_outbox.reconcile``: a worker's trace was found, ``checked_at`` set, or
+  them (``django_outbox.outbox.relay.reconcile``: a worker's trace was found, ``checked_at`` set, or
   they are past ``EXPLICIT_OUTBOX_RECONCILE_HORIZON``, which it never looks beyond);
   dead-lettered and deduplicated events by ``created_at``. A pending event is never
   pruned, nor a published one the reconciler may still republish;
@@ -166,7 +166,7 @@ def _due(table: str, seconds: float, using: str) -> list[models.QuerySet[Any]]:
 
 
 def reconciled() -> Q:
-    """Published events the reconciler is done with (``django_outbox.reconcile``): it
+    """Published events the reconciler is done with (``django_outbox.outbox.relay.reconcile``): it
     found a worker's trace (``checked_at``), or they are past its horizon, which it
     never looks beyond (it only marks them checked). With reconciliation off
     (``EXPLICIT_OUTBOX_RECONCILE_AFTER`` = 0) nothing is waiting for it."""
@@ -198,7 +198,7 @@ def prune(
 ) -> int:
     """Delete the rows of ``table`` past their retention, in batches; how many.
 
-    ``seconds`` overrides the setting (``outbox_prune --older-than``). The ledger is
+    ``seconds`` overrides the setting (``explicit_prune --older-than``). The ledger is
     refused below its floor (``LedgerBelowFloor``), whoever asks. Recorded in
     ``PruneRecord`` when the table is done.
     """

@@ -51,7 +51,7 @@ def broker(request: pytest.FixtureRequest, queue: str) -> Iterator[str]:
 
 @pytest.fixture
 def start_relay(transactional_db: None, queue: str, tmp_path: Path) -> Iterator[Any]:
-    """Start ``manage.py outbox_relay`` processes on this test's queue
+    """Start ``manage.py explicit_relay`` processes on this test's queue
     (tests/support/relays.py); all are stopped before the tables are flushed."""
     from tests.support.relays import relay_starter
 

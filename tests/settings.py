@@ -101,7 +101,7 @@ elif _LOG_STYLE == "json":
 EXPLICIT_CELERY_APP = "tests.celery_app.app"
 EXPLICIT_REDIS_URL = REDIS_URL
 
-# django_outbox.cache runs on django-redis; tests give each test its own KEY_PREFIX.
+# django_outbox.cache.versioned runs on django-redis; tests give each test its own KEY_PREFIX.
 CACHES = {
     "default": {
         "BACKEND": "django_redis.cache.RedisCache",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+from datetime import timedelta
 
 
 def positive_int(value: str) -> int:
@@ -26,3 +28,19 @@ def positive_seconds(value: str) -> float:
     if not math.isfinite(seconds) or seconds <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {value}")
     return seconds
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+
+
+def parse_duration(text: str) -> timedelta:
+    """``"7d"``, ``"12h"``, ``"30m"``, ``"90s"``, ``"2w"``; a bare number is days."""
+    match = _DURATION.match(text)
+    if match is None:
+        raise ValueError(
+            f"cannot read {text!r} as a duration: use a number with s, m, h, d or w "
+            "(a bare number is days), e.g. 7d"
+        )
+    number, unit = match.groups()
+    return timedelta(seconds=float(number) * _UNITS[unit or "d"])

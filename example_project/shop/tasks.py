@@ -12,8 +12,8 @@ from django.db.models import F, Sum
 from shop_project.celery import app
 
 from celery_explicit import Downstream, ExplicitTask, LeaseLock, LockNotAcquired, effect
-from django_outbox.cache import VersionedCache
-from django_outbox.fencing import fenced_update, versioned_update
+from django_outbox.cache.versioned import VersionedCache
+from django_outbox.store.guarded_writes import fenced_update, versioned_update
 from shop.models import (
     Invoice,
     InvoiceStatus,

@@ -93,7 +93,7 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
 CELERY_DB_REUSE_MAX = 1000
 
 EXPLICIT_CELERY_APP = "shop_project.celery.app"
-# django_outbox.cache runs on django-redis (the demo points it at its own Redis).
+# django_outbox.cache.versioned runs on django-redis (the demo points it at its own Redis).
 CACHES = {
     "default": {
         "BACKEND": "django_redis.cache.RedisCache",

@@ -30,8 +30,8 @@ from django.db import connection, transaction
 from django.utils import timezone
 from kombu import Connection
 
-from django_outbox.dispatch import dispatch
 from django_outbox.models import OutboxEvent
+from django_outbox.outbox.dispatch import dispatch
 from tests.chaos import history
 from tests.chaos.tasks import ChaosJob
 

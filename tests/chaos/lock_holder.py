@@ -21,7 +21,7 @@ def main() -> None:
     from celery_explicit import redis_state
     from celery_explicit.errors import StaleFencingToken
     from celery_explicit.locks import LeaseLock
-    from django_outbox.fencing import fenced_update
+    from django_outbox.store.guarded_writes import fenced_update
     from tests.testapp.models import Profile
 
     prefix, fenced = sys.argv[1], sys.argv[2] == "1"

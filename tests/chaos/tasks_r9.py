@@ -80,7 +80,7 @@ class HostJob(ExplicitTask):
     def run(self, run: str, job: int, guard: int) -> None:
         from django.db import DatabaseError, connection, transaction
 
-        from django_outbox.fencing import fenced_update
+        from django_outbox.store.guarded_writes import fenced_update
         from tests.chaos import history
         from tests.testapp.models import Profile
 

@@ -12,7 +12,7 @@ a second command; a restart between the two keeps the pop (the append-only file 
 the job's LPUSH, then an RPOP as the last command before the restart, and no HSET of
 its delivery tag ever) and the message is gone: about one job in five restarts, seen
 before the relay reconciled. The outbox had marked it published; the relay's
-reconciliation (``django_outbox.reconcile``, here after ``RECONCILE_AFTER`` seconds)
+reconciliation (``django_outbox.outbox.relay.reconcile``, here after ``RECONCILE_AFTER`` seconds)
 finds no worker's trace of it, sees its queue has moved past it, and publishes it
 again. The row's figure "published again" counts those.
 

@@ -20,7 +20,7 @@ from django.db import connection
 
 from celery_explicit import redis_state
 from celery_explicit.locks import LeaseLock
-from django_outbox.fencing import fenced_update
+from django_outbox.store.guarded_writes import fenced_update
 from tests.chaos.report import Row, scaled
 from tests.support.processes import ROOT, project_env
 from tests.testapp.models import Profile

@@ -28,7 +28,7 @@ from django.db import connections, transaction
 from django_redis import get_redis_connection
 from prometheus_client import REGISTRY
 
-from django_outbox.cache import CacheAside, VersionedCache
+from django_outbox.cache.versioned import CacheAside, VersionedCache
 from tests.testapp.models import CachedProfile
 
 pytestmark = pytest.mark.django_db(transaction=True)

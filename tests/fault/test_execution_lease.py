@@ -116,7 +116,7 @@ def explain_verdict(what: str) -> str:
     from django.core.management import call_command
 
     out = io.StringIO()
-    call_command("explain", what, stdout=out)
+    call_command("explicit_explain", what, stdout=out)
     return next(line for line in out.getvalue().splitlines() if "verdict:" in line)
 
 

@@ -17,7 +17,7 @@ import redis
 
 from celery_explicit.errors import StaleFencingToken
 from celery_explicit.locks import LeaseLock
-from django_outbox.fencing import fenced_update
+from django_outbox.store.guarded_writes import fenced_update
 from tests.testapp.models import Profile
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -16,8 +16,8 @@ from django.db import transaction
 from kombu import Connection
 from prometheus_client import REGISTRY
 
-from django_outbox.dispatch import dispatch
 from django_outbox.models import Attempt, OutboxEvent, OutboxStatus, Outcome
+from django_outbox.outbox.dispatch import dispatch
 from tests.support.queues import queued
 from tests.support.servers import PrivateRedis
 from tests.support.waiting import wait_for

@@ -14,7 +14,7 @@ from collections import Counter as Tally
 import pytest
 
 from celery_explicit.errors import StaleVersion
-from django_outbox.fencing import versioned_update
+from django_outbox.store.guarded_writes import versioned_update
 from tests.testapp.models import OrderState
 
 pytestmark = pytest.mark.django_db

@@ -13,8 +13,8 @@ import uuid
 import pytest
 from django.utils import timezone
 
-from django_outbox import dead_letters
 from django_outbox.models import DeadLetter, DeadLetterReason, DeadLetterStatus
+from django_outbox.store import dead_letters
 from tests.support.waiting import wait_for
 from tests.testapp.tasks import Declined
 
@@ -60,7 +60,7 @@ def test_explain_finds_every_letter_of_a_reused_id() -> None:
             task_id=reused, task_name="?", reason=DeadLetterReason.BAD_INPUT, raw_body=body
         )
     out = io.StringIO()
-    call_command("explain", reused, "--json", stdout=out)
+    call_command("explicit_explain", reused, "--json", stdout=out)
     found = json.loads(out.getvalue())["matches"]
     letters = sorted(DeadLetter.objects.values_list("task_id", flat=True))
     assert len(letters) == 2 and letters[0] == reused and letters[1].startswith(f"{reused}#")
@@ -70,7 +70,7 @@ def test_explain_finds_every_letter_of_a_reused_id() -> None:
         task_id=f"{reused}0", task_name="?", reason=DeadLetterReason.BAD_INPUT, raw_body="x"
     )
     out = io.StringIO()
-    call_command("explain", reused, "--json", stdout=out)
+    call_command("explicit_explain", reused, "--json", stdout=out)
     assert len(json.loads(out.getvalue())["matches"]) == 2
 
 
@@ -109,8 +109,8 @@ def test_a_replay_goes_back_through_the_exchange_and_routing_key_it_came_with(
     from django.utils import timezone
     from kombu import Connection, Exchange, Queue
 
-    from django_outbox import dead_letters
     from django_outbox.models import DeadLetter, DeadLetterReason
+    from django_outbox.store import dead_letters
 
     suffix = uuid.uuid4().hex[:8]
     exchange = Exchange(f"explicit-test-ex-{suffix}", type="direct")

@@ -75,7 +75,7 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     assert "outbox rows: 1 (the rolled-back one left none)" in out
     assert re.search(r"order \d+: shipped 1 time\(s\); order \d+ \(rolled back\): shipped 0", out)
     # The demo ends by explaining the incident from the stored data.
-    explained = out.split("\n9. manage.py explain ")[1]
+    explained = out.split("\n9. manage.py explicit_explain ")[1]
     verdict = next(line for line in explained.splitlines() if "verdict:" in line)
     assert "effect applied once at" in verdict
     assert f"ran {runs} times" in verdict

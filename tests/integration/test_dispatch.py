@@ -17,9 +17,9 @@ from kombu import Connection
 from prometheus_client import REGISTRY
 
 from celery_explicit import BadInput
-from django_outbox.dispatch import dispatch
 from django_outbox.models import OutboxEvent, OutboxStatus
-from django_outbox.outbox import publish_event
+from django_outbox.outbox.dispatch import dispatch
+from django_outbox.outbox.events import publish_event
 from tests.support.ports import free_port
 from tests.support.queues import queued
 from tests.testapp.models import Counter
@@ -106,7 +106,10 @@ def test_a_publish_failing_after_commit_is_logged_with_its_key_and_counted(queue
     labels = {"task": "tests.increment", "error_class": "kombu.exceptions.OperationalError"}
     before = REGISTRY.get_sample_value("explicit_dispatch_publish_failed_total", labels) or 0.0
     after_commit: list[str] = []
-    with caplog.at_level(logging.ERROR, logger="django_outbox.dispatch"), transaction.atomic():
+    with (
+        caplog.at_level(logging.ERROR, logger="django_outbox.outbox.dispatch"),
+        transaction.atomic(),
+    ):
         Counter.objects.create(name="paid")
         task_id = dispatch(
             Increment(),
@@ -117,7 +120,7 @@ def test_a_publish_failing_after_commit_is_logged_with_its_key_and_counted(queue
     # The commit stands and is not reported as a failure; later callbacks still run.
     assert Counter.objects.filter(name="paid").exists()
     assert after_commit == ["later callback ran"]
-    [record] = [r for r in caplog.records if r.name == "django_outbox.dispatch"]
+    [record] = [r for r in caplog.records if r.name == "django_outbox.outbox.dispatch"]
     assert record.levelno == logging.ERROR
     assert record.idempotency_key == "counter:paid:op:42"  # type: ignore[attr-defined]
     assert record.job_id == task_id  # type: ignore[attr-defined]

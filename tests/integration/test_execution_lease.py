@@ -15,8 +15,8 @@ from django.utils import timezone
 
 from celery_explicit import execution_lease
 from celery_explicit.errors import LeaseLost
-from django_outbox import ledger
 from django_outbox.models import Fence, ProcessedOperation
+from django_outbox.store import ledger
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""``manage.py explain`` on real histories: jobs run by real workers, explained from the
+"""``manage.py explicit_explain`` on real histories: jobs run by real workers, explained from the
 rows they left. Each verdict must name the right causes and counts."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_a_replay_on_real_workers_that_fails_again_is_followed_to_its_new_letter
 ) -> None:
     """Dead-lettered, replayed by an operator, dead-lettered again: explain follows the
     chain from the first letter to the second, from the rows the workers left."""
-    from django_outbox import dead_letters
+    from django_outbox.store import dead_letters
 
     payment = int(uuid.uuid4().int % 10**8) + 2 * 10**8
     key = f"payment:{payment}:capture"
@@ -131,7 +131,7 @@ def test_unknown_or_malformed_input_is_one_line_and_exit_status_1(what: str) -> 
     """Through the real command line: one line on stderr, status 1, no traceback."""
     env = project_env(db_name=connection.settings_dict["NAME"], queue="unused")
     done = subprocess.run(
-        [sys.executable, "-m", "django", "explain", what],
+        [sys.executable, "-m", "django", "explicit_explain", what],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -168,7 +168,7 @@ def test_deferrals_are_counted_on_the_attempt_that_runs_and_explained(start_work
 def test_the_publish_path_is_recorded(start_worker, start_relay, queue) -> None:
     from django.db import transaction
 
-    from django_outbox.dispatch import dispatch
+    from django_outbox.outbox.dispatch import dispatch
 
     names = {path: f"{path}{uuid.uuid4().hex[:6]}" for path in ("on_commit", "outbox")}
     for name in names.values():
@@ -242,7 +242,7 @@ def test_a_replay_shows_what_it_led_to(db) -> None:
 
 def test_a_key_only_dead_letters_hold_is_explained() -> None:
     """A job no worker ran (the relay's letter, an unknown task's) has no attempt row."""
-    from django_outbox import explain
+    from django_outbox.incident import explain
 
     DeadLetter.objects.create(
         task_id="t-relay",

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from django_outbox import dead_letters, times
+from django_outbox import times
 from django_outbox.models import Attempt, DeadLetter, Fence, Outcome
+from django_outbox.store import dead_letters
 from tests.support.explaining import explain, explain_json, verdict_of
 from tests.support.waiting import wait_for
 from tests.testapp.models import Counter, Profile

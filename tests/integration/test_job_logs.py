@@ -105,7 +105,7 @@ def test_the_json_formatter_gives_every_field_as_data(start_worker, queue) -> No
 def test_the_correlation_id_travels_from_the_caller_through_every_path(
     start_worker, start_relay, queue
 ) -> None:
-    from django_outbox.dispatch import dispatch
+    from django_outbox.outbox.dispatch import dispatch
 
     tag = uuid.uuid4().hex[:6]
     names = [f"fan{tag}{i}" for i in range(2)] + [f"oc{tag}", f"ob{tag}", f"new{tag}"]
@@ -150,7 +150,7 @@ def test_a_sensitive_field_is_never_kept_or_logged_in_the_clear(start_worker, qu
     log = log_once(worker, lambda t: "raised expected" in t, "Celery's line")
     assert card not in log, [ln for ln in log_lines(log) if card in ln]
     # The dead letter cannot be replayed with its card number gone: refused, with why.
-    from django_outbox import dead_letters
+    from django_outbox.store import dead_letters
 
     refusal = dead_letters.replay_refusal(letter)
     assert "sensitive arguments redacted (card_number)" in refusal

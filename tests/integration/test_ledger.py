@@ -12,8 +12,8 @@ from django.db.transaction import TransactionManagementError
 from django.test import override_settings
 
 from celery_explicit import IdempotencyConflict
-from django_outbox import ledger
 from django_outbox.models import ProcessedOperation
+from django_outbox.store import ledger
 from tests.testapp.models import Counter
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -185,11 +185,11 @@ def test_an_effect_marked_for_rollback_does_not_commit_and_says_so() -> None:
 def test_before_commit_statements_commit_with_the_effect() -> None:
     from django.utils import timezone
 
-    from django_outbox import audit
     from django_outbox.models import Attempt, Outcome
+    from django_outbox.store import attempts
 
     now = timezone.now()
-    fields = audit.attempt_fields(
+    fields = attempts.attempt_fields(
         task_id="t9",
         task_name="t",
         idempotency_key="k9",
@@ -206,7 +206,7 @@ def test_before_commit_statements_commit_with_the_effect() -> None:
         fingerprint="f",
         task_name="t",
         task_id="t9",
-        before_commit=lambda e: [audit.insert_statement(fields)],
+        before_commit=lambda e: [attempts.insert_statement(fields)],
     ) as eff:
         eff.result_ref = "r9"
     row = Attempt.objects.get(task_id="t9")

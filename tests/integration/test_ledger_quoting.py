@@ -1,4 +1,4 @@
-"""The ledger's own literal writer (``django_outbox.ledger._RoundTrips._quote``) against
+"""The ledger's own literal writer (``django_outbox.store.ledger._RoundTrips._quote``) against
 PostgreSQL: every value reads back as itself, exactly as through psycopg's ``mogrify``,
 and a value it does not write falls back to psycopg (a NUL byte is refused there).
 
@@ -17,8 +17,8 @@ from django.db import connection, transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from django_outbox import ledger
-from django_outbox import round_trips as round_trips_module
+from django_outbox.db import libpq as round_trips_module
+from django_outbox.store import ledger
 
 pytestmark = pytest.mark.django_db
 

@@ -202,7 +202,7 @@ def test_operators_can_list_live_locks(redis_client, prefix, capsys, settings) -
 @pytest.mark.django_db
 def test_fenced_update_allows_the_same_holder_and_refuses_older_tokens() -> None:
     from celery_explicit.errors import StaleFencingToken
-    from django_outbox.fencing import fenced_update
+    from django_outbox.store.guarded_writes import fenced_update
     from tests.testapp.models import Profile
 
     Profile.objects.create(user_id=5)

@@ -1,4 +1,4 @@
-"""The relay serves its own counters and publish lag (``outbox_relay --metrics-port``):
+"""The relay serves its own counters and publish lag (``explicit_relay --metrics-port``):
 one process, its own registry, scraped over HTTP."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import uuid
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from django_outbox.dispatch import dispatch
+from django_outbox.outbox.dispatch import dispatch
 from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 from tests.testapp.tasks import Increment

@@ -60,7 +60,9 @@ def use_broker(monkeypatch: Any, url: str) -> None:
 
 
 def refusal_lines(caplog: Any) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "django_outbox.metrics_view"]
+    return [
+        r.getMessage() for r in caplog.records if r.name == "django_outbox.incident.metrics_view"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -80,7 +82,7 @@ def test_a_redis_that_refuses_is_a_503(
     settings.EXPLICIT_METRICS_TOKEN = TOKEN
     url = live_server.url + PATH
     use_broker(monkeypatch, f"redis://{USER}:{password}@127.0.0.1:{refusing_redis.port}/0")
-    with caplog.at_level(logging.ERROR, logger="django_outbox.metrics_view"):
+    with caplog.at_level(logging.ERROR, logger="django_outbox.incident.metrics_view"):
         status, text = get(url)
     assert status == 503, text
     assert "the broker refused" in text and error in text
@@ -99,7 +101,7 @@ def test_a_database_error_is_a_503(live_server: Any, settings: Any, caplog: Any)
     with connection.cursor() as cursor:
         cursor.execute(f'ALTER TABLE "{table}" RENAME TO "{table}_away"')
     try:
-        with caplog.at_level(logging.ERROR, logger="django_outbox.metrics_view"):
+        with caplog.at_level(logging.ERROR, logger="django_outbox.incident.metrics_view"):
             status, text = get(url)
     finally:
         with connection.cursor() as cursor:

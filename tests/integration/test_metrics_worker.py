@@ -129,10 +129,11 @@ def test_both_pool_children_are_served_with_the_right_causes(
 
 SWITCH_THEN_FORK = """
 import os, sys
-from django_outbox import cache_stats, relay_metrics
+from django_outbox.cache import stats
+from django_outbox.outbox.relay import metrics as relay_metrics
 from celery_explicit import worker_metrics
 
-counts = cache_stats.Counts("profiles")  # children bound before the switch, as at import
+counts = stats.Counts("profiles")  # children bound before the switch, as at import
 worker_metrics.switch_to_files(sys.argv[1])
 children = []
 for _ in range(2):

@@ -25,10 +25,10 @@ from django.db import connections, transaction
 from django.test import Client, override_settings
 from django.utils import timezone
 
-from django_outbox.dispatch import dispatch
 from django_outbox.models import DeadLetter, DeadLetterReason, OutboxEvent, OutboxStatus
-from django_outbox.outbox import publish_event
-from django_outbox.relay import Relay
+from django_outbox.outbox.dispatch import dispatch
+from django_outbox.outbox.events import publish_event
+from django_outbox.outbox.relay.loop import Relay
 from tests.support.processes import ROOT, ManagedProcess
 from tests.support.queues import queued
 from tests.support.waiting import wait_for
@@ -270,7 +270,7 @@ def test_prune_deletes_finished_events_older_than_the_retention() -> None:
         event(OutboxStatus.PENDING, now - timedelta(days=30)),  # never pruned
         event(OutboxStatus.DEAD_LETTER, recent),
     ]
-    call_command("outbox_prune", "--older-than", "7d", "--batch-size", "2")
+    call_command("explicit_prune", "--table", "outbox", "--older-than", "7d", "--batch-size", "2")
     assert sorted(OutboxEvent.objects.values_list("pk", flat=True)) == sorted(kept)
     assert not OutboxEvent.objects.filter(pk__in=gone).exists()
 
@@ -347,7 +347,7 @@ def test_sqlite_relay_polls_without_listen_notify(tmp_path: Path, queue, redis_c
 
     django("migrate", "-v", "0")
     relay = ManagedProcess(
-        [sys.executable, "-m", "django", "outbox_relay", "--poll-interval", "0.2"],
+        [sys.executable, "-m", "django", "explicit_relay", "--poll-interval", "0.2"],
         name="relay",
         log_dir=tmp_path,
         env=env,
@@ -360,7 +360,7 @@ def test_sqlite_relay_polls_without_listen_notify(tmp_path: Path, queue, redis_c
             "shell",
             "-c",
             "from django.db import transaction\n"
-            "from django_outbox.outbox import publish_event\n"
+            "from django_outbox.outbox.events import publish_event\n"
             "with transaction.atomic():\n"
             "    print(publish_event('tests.note', {'name': 'on-sqlite'}))",
         )

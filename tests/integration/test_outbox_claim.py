@@ -1,4 +1,4 @@
-"""``OutboxEvent.objects.claim_batch`` on real PostgreSQL, and the relay command leaving
+"""``claim_batch`` on real PostgreSQL, and the relay command leaving
 the project's Celery app as it found it."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from django.utils import timezone
 
 from django_outbox.conf import settings
 from django_outbox.models import OutboxEvent
-from django_outbox.outbox import publish_event
+from django_outbox.outbox.events import publish_event
+from django_outbox.outbox.relay.claim import claim_batch
 from tests.support.queues import queued
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -35,15 +36,15 @@ def test_the_claim_takes_the_oldest_pending_event_of_each_key_in_order() -> None
     event("later", available_at=timezone.now() + timedelta(hours=1))
     event("done", status="dead_letter")
     with transaction.atomic():
-        claimed = OutboxEvent.objects.claim_batch(10)
+        claimed = claim_batch("default", 10)
     assert [c.event_id for c in claimed] == [a1, loose, b1]
     assert [c.kwargs for c in claimed] == [{"name": "a1"}, {"name": "loose"}, {"name": "b1"}]
     with transaction.atomic():
-        assert [c.event_id for c in OutboxEvent.objects.claim_batch(2)] == [a1, loose]
+        assert [c.event_id for c in claim_batch("default", 2)] == [a1, loose]
     # a2 waits for a1 to leave the pending state, whoever holds it.
     OutboxEvent.objects.filter(event_id=a1).update(status="dead_letter")
     with transaction.atomic():
-        assert [c.event_id for c in OutboxEvent.objects.claim_batch(10)] == [a2, loose, b1]
+        assert [c.event_id for c in claim_batch("default", 10)] == [a2, loose, b1]
 
 
 def test_a_second_transaction_skips_the_rows_the_first_holds() -> None:
@@ -55,7 +56,7 @@ def test_a_second_transaction_skips_the_rows_the_first_holds() -> None:
     def hold() -> None:
         try:
             with transaction.atomic():
-                taken.extend(c.event_id for c in OutboxEvent.objects.claim_batch(1))
+                taken.extend(c.event_id for c in claim_batch("default", 1))
                 held.set()
                 release.wait(30)
         finally:
@@ -67,7 +68,7 @@ def test_a_second_transaction_skips_the_rows_the_first_holds() -> None:
         assert held.wait(30)
         with transaction.atomic():
             # Not waiting for the lock, not returning the locked row: the next one.
-            assert [c.event_id for c in OutboxEvent.objects.claim_batch(10)] == [second]
+            assert [c.event_id for c in claim_batch("default", 10)] == [second]
     finally:
         release.set()
         thread.join(30)
@@ -77,7 +78,7 @@ def test_a_second_transaction_skips_the_rows_the_first_holds() -> None:
 def test_the_claim_outside_a_transaction_is_refused() -> None:
     event("alone")
     with pytest.raises(TransactionManagementError, match=r"transaction\.atomic"):
-        OutboxEvent.objects.claim_batch(10)
+        claim_batch("default", 10)
 
 
 def test_the_relay_command_leaves_the_celery_app_settings_alone(queue, redis_client) -> None:
@@ -86,6 +87,6 @@ def test_the_relay_command_leaves_the_celery_app_settings_alone(queue, redis_cli
     before = dict(app.conf.changes)
     with transaction.atomic():
         event_id = publish_event("tests.note", {"name": "conf"}, options={"queue": queue})
-    call_command("outbox_relay", "--once", stdout=io.StringIO())
+    call_command("explicit_relay", "--once", stdout=io.StringIO())
     assert [m["id"] for m in queued(redis_client, queue)] == [event_id]
     assert dict(app.conf.changes) == before

@@ -6,7 +6,7 @@ test_wheel.py). ``django-admin startproject proj .`` and ``startapp shop`` make 
 project; every code block of the quick start whose first line names a file is written
 to that file (``: add at the end`` appends), so a snippet that breaks fails here. Then,
 as the README says: ``manage.py check``, ``migrate``, ``celery -A proj worker -l INFO``
-and ``manage.py outbox_relay``, and the ``# publish`` block in ``manage.py shell``:
+and ``manage.py explicit_relay``, and the ``# publish`` block in ``manage.py shell``:
 one job published directly, one dispatched on commit, one durable through the outbox.
 Each must be applied: its attempt row ``applied`` and its ledger row written.
 
@@ -77,7 +77,7 @@ def test_the_readme_names_each_step_it_takes() -> None:
         "python manage.py migrate",
         "python manage.py check",
         "celery -A proj worker -l INFO",
-        "python manage.py outbox_relay",
+        "python manage.py explicit_relay",
         "EXPLICIT_WORKER_METRICS_PORT",
         "EXPLICIT_METRICS_TOKEN",
         "docs/metrics.md",
@@ -146,7 +146,7 @@ def test_the_quick_start_runs_one_job_of_each_kind(tmp_path: Path, database: str
         name="worker", log_dir=tmp_path, env=env, cwd=project, ready=" ready.",
     )  # fmt: skip
     relay = ManagedProcess(
-        [str(python), "manage.py", "outbox_relay"],
+        [str(python), "manage.py", "explicit_relay"],
         name="relay", log_dir=tmp_path, env=env, cwd=project, ready="outbox relay ready",
     )  # fmt: skip
     try:

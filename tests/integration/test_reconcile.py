@@ -18,9 +18,9 @@ from django.utils import timezone
 
 from celery_explicit import execution_lease
 from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, OutboxEvent, OutboxStatus
-from django_outbox.outbox import publish_event
-from django_outbox.reconcile import Reconciler
-from django_outbox.relay import Relay
+from django_outbox.outbox.events import publish_event
+from django_outbox.outbox.relay.loop import Relay
+from django_outbox.outbox.relay.reconcile import Reconciler
 from tests.celery_app import app
 from tests.support.queues import queued
 

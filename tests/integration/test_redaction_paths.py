@@ -26,9 +26,9 @@ from django.core.management import call_command
 from django.db import transaction
 
 from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, OutboxEvent
-from django_outbox.outbox import publish_event
-from django_outbox.reconcile import Reconciler
-from django_outbox.relay import Relay
+from django_outbox.outbox.events import publish_event
+from django_outbox.outbox.relay.loop import Relay
+from django_outbox.outbox.relay.reconcile import Reconciler
 from tests.celery_app import app
 from tests.support.waiting import wait_for
 from tests.testapp.tasks_redaction import ChargeCard, ChargeCardPlain
@@ -71,7 +71,7 @@ def everything_in_redis(client: redis.Redis) -> str:
 
 def explained(what: str) -> str:
     out = io.StringIO()
-    call_command("explain", what, "--json", stdout=out)
+    call_command("explicit_explain", what, "--json", stdout=out)
     return out.getvalue()
 
 

@@ -1,4 +1,4 @@
-"""The relay's batch in three round trips (``django_outbox.round_trips``) on real
+"""The relay's batch in three round trips (``django_outbox.db.libpq``) on real
 PostgreSQL: BEGIN with the claim, COMMIT with the marks. Either path publishes, marks
 and commits the same; a failing mark commits nothing; Django's transaction stays in
 charge (``on_commit`` hooks, a transaction marked for rollback)."""
@@ -13,12 +13,12 @@ import pytest
 from django.db import DatabaseError, connection, transaction
 from django.test import override_settings
 
-from django_outbox import relay as relay_module
-from django_outbox import round_trips
-from django_outbox.claim import CLAIM_POSTGRESQL, run_claim
+from django_outbox.db import libpq
 from django_outbox.models import OutboxEvent, OutboxStatus
-from django_outbox.outbox import publish_event
-from django_outbox.relay import Relay
+from django_outbox.outbox.events import publish_event
+from django_outbox.outbox.relay import loop as relay_module
+from django_outbox.outbox.relay.claim import CLAIM_POSTGRESQL, run_claim
+from django_outbox.outbox.relay.loop import Relay
 from tests.support.queues import queued
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -29,13 +29,13 @@ def trips_used(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """How often the relay went through ``RoundTrips`` (the real calls still run)."""
     used: Counter[str] = Counter()
     for name in ("run_all", "commit_with"):
-        real = getattr(round_trips.RoundTrips, name)
+        real = getattr(libpq.RoundTrips, name)
 
         def counted(self: Any, *args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
             used[_name] += 1
             return _real(self, *args, **kw)
 
-        monkeypatch.setattr(round_trips.RoundTrips, name, counted)
+        monkeypatch.setattr(libpq.RoundTrips, name, counted)
     return used
 
 
@@ -107,7 +107,7 @@ def test_a_commit_with_the_last_statements_still_runs_on_commit_hooks() -> None:
     with transaction.atomic():
         transaction.on_commit(lambda: ran.append("hook"))
         OutboxEvent.objects.create(task_name="tests.note", kwargs={"name": "a"})
-        trips = round_trips.for_commit(connection, True)
+        trips = libpq.for_commit(connection, True)
         assert trips is not None
         trips.commit_with(
             [f"UPDATE {OutboxEvent._meta.db_table} SET attempts = 7"], what="the test's transaction"
@@ -119,24 +119,24 @@ def test_a_commit_with_the_last_statements_still_runs_on_commit_hooks() -> None:
 
 def test_the_fast_path_stands_aside_where_it_would_change_the_transaction() -> None:
     with transaction.atomic():
-        assert round_trips.for_new_transaction(connection, True) is not None
-        assert round_trips.for_new_transaction(connection, False) is None
+        assert libpq.for_new_transaction(connection, True) is not None
+        assert libpq.for_new_transaction(connection, False) is None
         # Not begun on the server yet: nothing to commit with.
-        assert round_trips.for_commit(connection, True) is None
+        assert libpq.for_commit(connection, True) is None
         OutboxEvent.objects.count()
         # Begun: the claim's BEGIN is no longer ours to send.
-        assert round_trips.for_new_transaction(connection, True) is None
-        assert round_trips.for_commit(connection, True) is not None
+        assert libpq.for_new_transaction(connection, True) is None
+        assert libpq.for_commit(connection, True) is not None
         # Django will roll back: we must not commit it.
         transaction.set_rollback(True)
-        assert round_trips.for_commit(connection, True) is None
+        assert libpq.for_commit(connection, True) is None
     raw = connection.connection
     raw.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
     try:
         with transaction.atomic():
             # psycopg would BEGIN ISOLATION LEVEL SERIALIZABLE; a bare BEGIN would not.
-            assert round_trips.for_new_transaction(connection, True) is None
+            assert libpq.for_new_transaction(connection, True) is None
     finally:
         raw.isolation_level = None
     # Autocommit: no transaction to begin.
-    assert round_trips.for_new_transaction(connection, True) is None
+    assert libpq.for_new_transaction(connection, True) is None

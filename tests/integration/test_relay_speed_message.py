@@ -21,9 +21,9 @@ import redis
 from celery.signals import after_task_publish, before_task_publish
 
 from celery_explicit import idempotency
-from django_outbox.claim import Claimed
 from django_outbox.models import OutboxStatus
-from django_outbox.relay_publish import CeleryMessages, _Plan, saferepr
+from django_outbox.outbox.relay.claim import Claimed
+from django_outbox.outbox.relay.publish import CeleryMessages, _Plan, saferepr
 from tests.celery_app import app
 from tests.testapp.tasks import (
     ApplyOrderEvent,
@@ -201,7 +201,7 @@ def test_a_task_claiming_redis_state_at_publish_keeps_apply_async() -> None:
 def test_a_deduplicating_task_still_publishes_through_apply_async(
     producer, redis_client, queue
 ) -> None:
-    from django_outbox.relay import Relay
+    from django_outbox.outbox.relay.loop import Relay
 
     relay = Relay(notify_channel="", app=app)
     messages = relay.policy.messages(producer)

@@ -210,15 +210,33 @@ def test_with_reconciliation_off_a_published_event_is_pruned_by_its_age(settings
 
 
 @pytest.mark.django_db
-def test_outbox_prune_is_the_same_prune_with_its_own_retention() -> None:
+def test_older_than_prunes_the_named_table_with_its_own_retention() -> None:
     unreconciled = event(OutboxStatus.PUBLISHED, created=ago(2 * DAY), published=ago(3 * 3600))
     reconciled = event(
         OutboxStatus.PUBLISHED, created=ago(2 * DAY), published=ago(3 * 3600), checked=True
     )
-    call_command("outbox_prune", "--older-than", "1h", stdout=StringIO())
+    call_command("explicit_prune", "--table", "outbox", "--older-than", "1h", stdout=StringIO())
     assert keys(OutboxEvent) == {unreconciled}
     assert reconciled not in keys(OutboxEvent)
     assert PruneRecord.objects.get(table="outbox").deleted == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--older-than", "7d"], "--older-than needs --table"),
+        (["--table", "outbox", "--older-than", "soon"], "cannot read 'soon' as a duration"),
+        (["--table", "ledger", "--older-than", "1h"], "refuses to prune the ledger"),
+    ],
+)
+def test_older_than_asked_wrongly_is_refused_before_anything_is_deleted(
+    argv: list[str], error: str
+) -> None:
+    old = ledger(ago(31 * DAY))
+    with pytest.raises(CommandError, match=error):
+        call_command("explicit_prune", *argv, stdout=StringIO())
+    assert old in keys(ProcessedOperation)
 
 
 @pytest.mark.django_db

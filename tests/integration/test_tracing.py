@@ -24,8 +24,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, format_span_id, format_trace_id
 
 from celery_explicit import tracing
-from django_outbox.dispatch import dispatch
 from django_outbox.models import Attempt, OutboxEvent, Outcome
+from django_outbox.outbox.dispatch import dispatch
 from tests.support import tracing as span_files
 from tests.support.queues import queued
 from tests.support.waiting import wait_for

@@ -1,4 +1,4 @@
-"""django_outbox.cache on real Redis (django-redis) and PostgreSQL.
+"""django_outbox.cache.versioned on real Redis (django-redis) and PostgreSQL.
 
 One GET per hit, fills for the source's version only, bumps and invalidations after
 commit (never inside the transaction, never after a rollback), and the race a plain
@@ -22,7 +22,7 @@ from django.db import connections, transaction
 from django_redis import get_redis_connection
 
 from celery_explicit import redis_scripts
-from django_outbox.cache import (
+from django_outbox.cache.versioned import (
     CacheAside,
     CacheConfigError,
     CacheKeyError,

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from django_outbox import window
+from django_outbox.incident import window
 from django_outbox.models import Attempt, DeadLetter, Fence
 
 pytestmark = pytest.mark.django_db
@@ -139,12 +139,12 @@ def test_manage_py_explain_takes_a_window() -> None:
     attempt("order:ORD-9:ship", T0 + timedelta(minutes=1), "exhausted")
     out = io.StringIO()
     call_command(
-        "explain", "--since", "2026-12-02T02:50", "--until", "2026-12-02T03:20", stdout=out
+        "explicit_explain", "--since", "2026-12-02T02:50", "--until", "2026-12-02T03:20", stdout=out
     )
     assert "failed: attempts exhausted: 1 time(s), 1 job(s)" in out.getvalue()
     assert "order:ORD-9:ship" in out.getvalue()
     out = io.StringIO()
-    call_command("explain", "--since", "2026-12-02T02:50+00:00", "--json", stdout=out)
+    call_command("explicit_explain", "--since", "2026-12-02T02:50+00:00", "--json", stdout=out)
     assert json.loads(out.getvalue())["groups"][0]["named"][0]["key"] == "order:ORD-9:ship"
 
 
@@ -163,4 +163,4 @@ def test_a_window_asked_wrongly_is_one_clear_error(argv: list[str], error: str) 
     from django.core.management import CommandError, call_command
 
     with pytest.raises(CommandError, match=error):
-        call_command("explain", *argv)
+        call_command("explicit_explain", *argv)

@@ -4,7 +4,7 @@ private servers), waiting, free ports and reading the broker's queues.
 - ``processes``: start a subprocess with its log file, wait until it is ready, stop it
   and its process group.
 - ``workers``: a real ``celery worker`` (``Worker``).
-- ``relays``: real ``outbox_relay`` processes (``relay_starter``) and the negative-control
+- ``relays``: real ``explicit_relay`` processes (``relay_starter``) and the negative-control
   relays they can run.
 - ``servers``: servers of a test's own (``PrivateRedis``).
 - ``waiting``: ``wait_for``.

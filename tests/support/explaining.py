@@ -1,4 +1,4 @@
-"""What ``manage.py explain`` prints for a job, as text, as data, and its verdict line."""
+"""What ``manage.py explicit_explain`` prints for a job, as text, as data, and its verdict line."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from django.core.management import call_command
 
 def explain(what: str) -> str:
     out = io.StringIO()
-    call_command("explain", what, stdout=out)
+    call_command("explicit_explain", what, stdout=out)
     return out.getvalue()
 
 
 def explain_json(what: str) -> dict[str, Any]:
     out = io.StringIO()
-    call_command("explain", what, "--json", stdout=out)
+    call_command("explicit_explain", what, "--json", stdout=out)
     data: dict[str, Any] = json.loads(out.getvalue())
     return data
 

@@ -1,4 +1,4 @@
-"""Real ``manage.py outbox_relay`` processes for the tests, and the negative controls.
+"""Real ``manage.py explicit_relay`` processes for the tests, and the negative controls.
 
 Run as a module (``python -m tests.support.relays no-skip-locked``) it starts one of the
 negative-control relays: the production relay with one safeguard of its claim taken
@@ -47,7 +47,7 @@ class RelayProcess(ManagedProcess):
         command = (
             [sys.executable, "-m", __name__, control]
             if control
-            else [sys.executable, "-m", "django", "outbox_relay"]
+            else [sys.executable, "-m", "django", "explicit_relay"]
         )
         super().__init__(
             [*command, *args],
@@ -58,7 +58,7 @@ class RelayProcess(ManagedProcess):
 
 
 StartRelay = Callable[..., RelayProcess]
-"""``start(*outbox_relay options, broker_url=None, control=None, ready=True)``."""
+"""``start(*explicit_relay options, broker_url=None, control=None, ready=True)``."""
 
 
 def relay_starter(queue: str, tmp_path: Path) -> Iterator[StartRelay]:
@@ -95,8 +95,8 @@ def main() -> None:
     import django
 
     django.setup()
-    from django_outbox.claim import CLAIM_POSTGRESQL, run_claim
-    from django_outbox.relay import Relay
+    from django_outbox.outbox.relay.claim import CLAIM_POSTGRESQL, run_claim
+    from django_outbox.outbox.relay.loop import Relay
 
     def without(pattern: str) -> str:
         """The production claim with one clause taken out; it must be there to take."""

@@ -176,7 +176,7 @@ def test_a_task_header_that_is_no_leased_name_goes_through_kombu(headers: Any) -
 
 
 def test_only_a_str_or_an_integer_id_names_a_dead_letter() -> None:
-    from django_outbox.dead_letters import id_text as _id_text
+    from django_outbox.store.dead_letters import id_text as _id_text
 
     assert _id_text("r10-x-1") == "r10-x-1"
     assert _id_text(10**12 + 5) == str(10**12 + 5)

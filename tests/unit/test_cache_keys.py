@@ -1,4 +1,4 @@
-"""Key templates and bad input for django_outbox.cache: refused before Redis is touched,
+"""Key templates and bad input for django_outbox.cache.versioned: refused before Redis is touched,
 with an error naming the cache and the field."""
 
 from __future__ import annotations
@@ -10,7 +10,12 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from celery_explicit import ExplicitError
-from django_outbox.cache import CacheAside, CacheConfigError, CacheKeyError, VersionedCache
+from django_outbox.cache.versioned import (
+    CacheAside,
+    CacheConfigError,
+    CacheKeyError,
+    VersionedCache,
+)
 
 
 def source(**fields: Any) -> tuple[str, int]:

@@ -64,7 +64,7 @@ def test_without_a_registered_store_the_job_path_says_what_to_install(
 
 
 def test_django_outbox_registers_its_store_when_django_loads_it() -> None:
-    from django_outbox.store import DjangoStore
+    from django_outbox.store.backend import DjangoStore
 
     assert isinstance(store.get(), DjangoStore)
 

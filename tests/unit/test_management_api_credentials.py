@@ -1,5 +1,5 @@
 """The broker's credentials go to RabbitMQ's management API only over https or to this
-host (``django_outbox.queues``); otherwise the API is not asked, and the reason is what
+host (``django_outbox.broker_queues``); otherwise the API is not asked, and the reason is what
 the dashboard shows for the queue's oldest message."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from django.test import override_settings
 from kombu import Connection
 
-from django_outbox import queues
+from django_outbox import broker_queues
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_plain_http_to_another_host_with_credentials_is_not_attempted(
     requests: list[urllib.request.Request],
 ) -> None:
     conn = Connection("amqps://shop:s3cret@rabbit.example.com:5671//")
-    sent_at, why = queues._rabbitmq_head_sent_at(conn, "celery")
+    sent_at, why = broker_queues._rabbitmq_head_sent_at(conn, "celery")
     assert requests == []
     assert sent_at is None
     assert why == (
@@ -42,7 +42,7 @@ def test_plain_http_to_another_host_with_credentials_is_not_attempted(
         'set EXPLICIT_RABBITMQ_MANAGEMENT_URL to its https:// URL, or to "off")'
     )
     with override_settings(EXPLICIT_RABBITMQ_MANAGEMENT_URL="http://10.0.0.7:15672"):
-        sent_at, why = queues._rabbitmq_head_sent_at(conn, "celery")
+        sent_at, why = broker_queues._rabbitmq_head_sent_at(conn, "celery")
     assert requests == []
     assert "http://10.0.0.7:15672 is plain http to another host" in why
 
@@ -68,7 +68,7 @@ def test_https_or_loopback_is_asked_with_the_credentials(
     requests: list[urllib.request.Request], broker: str, management: str, url: str
 ) -> None:
     with override_settings(EXPLICIT_RABBITMQ_MANAGEMENT_URL=management):
-        sent_at, why = queues._rabbitmq_head_sent_at(Connection(broker), "celery")
+        sent_at, why = broker_queues._rabbitmq_head_sent_at(Connection(broker), "celery")
     assert (sent_at, why) == (1000.0, "")
     [request] = requests
     assert request.full_url == url
@@ -88,4 +88,4 @@ def test_https_or_loopback_is_asked_with_the_credentials(
     ],
 )
 def test_what_counts_as_safe(base: str, refused: bool) -> None:
-    assert bool(queues.credentials_refused(base)) is refused
+    assert bool(broker_queues.credentials_refused(base)) is refused

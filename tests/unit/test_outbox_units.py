@@ -11,9 +11,9 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from celery_explicit import BadInput
-from django_outbox.management.commands.outbox_prune import parse_duration
-from django_outbox.outbox import check_json
-from django_outbox.relay import ListenWakeup, Relay, Wakeup
+from django_outbox.management.arguments import parse_duration
+from django_outbox.outbox.events import check_json
+from django_outbox.outbox.relay.loop import ListenWakeup, Relay, Wakeup
 
 
 @pytest.mark.parametrize(
@@ -94,18 +94,18 @@ def test_stop_ends_a_poll_wait_at_once() -> None:
 @pytest.mark.parametrize(
     ("command", "option", "value", "message"),
     [
-        ("outbox_relay", "--poll-interval", "0", "above 0, got 0"),
-        ("outbox_relay", "--poll-interval", "-1", "above 0, got -1"),
-        ("outbox_relay", "--poll-interval", "nan", "above 0, got nan"),
-        ("outbox_relay", "--poll-interval", "soon", "a number of seconds, got 'soon'"),
-        ("outbox_relay", "--batch-size", "0", "at least 1, got 0"),
-        ("outbox_prune", "--batch-size", "-5", "at least 1, got -5"),
+        ("explicit_relay", "--poll-interval", "0", "above 0, got 0"),
+        ("explicit_relay", "--poll-interval", "-1", "above 0, got -1"),
+        ("explicit_relay", "--poll-interval", "nan", "above 0, got nan"),
+        ("explicit_relay", "--poll-interval", "soon", "a number of seconds, got 'soon'"),
+        ("explicit_relay", "--batch-size", "0", "at least 1, got 0"),
+        ("explicit_prune", "--batch-size", "-5", "at least 1, got -5"),
     ],
 )
 def test_bad_command_values_are_refused_by_name(
     command: str, option: str, value: str, message: str
 ) -> None:
     # Before anything runs: a zero poll interval would spin, a negative one crash select().
-    extra = ["--older-than", "7d"] if command == "outbox_prune" else []
+    extra = ["--table", "outbox", "--older-than", "7d"] if command == "explicit_prune" else []
     with pytest.raises(CommandError, match=rf"argument {option}: must be .*{message}"):
         call_command(command, *extra, option, value)

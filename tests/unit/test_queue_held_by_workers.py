@@ -15,7 +15,7 @@ import pytest
 from django.test import override_settings
 from kombu import Connection
 
-from django_outbox import queues
+from django_outbox import broker_queues
 
 
 @pytest.fixture
@@ -33,8 +33,8 @@ def test_unacknowledged_are_read_even_when_nothing_waits(answer: dict[str, Any])
     conn = Connection("amqp://guest:guest@127.0.0.1//")
     answer.update(messages_unacknowledged=3, head_message_timestamp=int(time.time()) - 300)
     with override_settings(EXPLICIT_RABBITMQ_MANAGEMENT_URL=""):
-        waiting = queues._rabbitmq_state(conn, "celery", 2)
-        empty = queues._rabbitmq_state(conn, "celery", 0)
+        waiting = broker_queues._rabbitmq_state(conn, "celery", 2)
+        empty = broker_queues._rabbitmq_state(conn, "celery", 0)
     assert (waiting.depth, waiting.unacked, waiting.unacked_why) == (2, 3, "")
     assert waiting.oldest_age is not None and 299 <= waiting.oldest_age < 330
     assert (empty.depth, empty.unacked, empty.oldest_age, empty.why) == (0, 3, 0.0, "")
@@ -43,6 +43,6 @@ def test_unacknowledged_are_read_even_when_nothing_waits(answer: dict[str, Any])
 def test_unread_is_said_not_zero(answer: dict[str, Any]) -> None:
     conn = Connection("amqp://guest:guest@127.0.0.1//")
     with override_settings(EXPLICIT_RABBITMQ_MANAGEMENT_URL="off"):
-        state = queues._rabbitmq_state(conn, "celery", 0)
+        state = broker_queues._rabbitmq_state(conn, "celery", 0)
     assert state.unacked is None
     assert state.unacked_why == "not read (EXPLICIT_RABBITMQ_MANAGEMENT_URL is off)"

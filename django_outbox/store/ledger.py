@@ -1,0 +1,363 @@
+"""The effect ledger: a business effect happens once per idempotency key.
+
+``effect()`` opens one database transaction and claims the key in it by inserting the
+ledger row *first*. A second execution with the same key (a redelivery, a retry, a
+concurrent worker) blocks on the primary key until the first transaction ends, then
+sees the committed row and is told ``done``. If the first rolls back, its row vanishes
+with its effect and the second one applies. The database's constraint decides; no
+Redis check beforehand could (it would race with the commit).
+
+Usage, inside a task (``ExplicitTask.effect()`` fills in the key)::
+
+    with self.effect() as effect:
+        if effect.done:
+            return effect.result_ref
+        Payment.objects.filter(id=payment_id).update(status="captured")
+        effect.result_ref = str(payment_id)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from django.db import DatabaseError, connections, transaction
+from django.db.transaction import TransactionManagementError
+from django.utils import timezone
+
+from celery_explicit.errors import IdempotencyConflict, LeaseLost
+from celery_explicit.store import Effect, Statement
+from django_outbox.conf import settings
+from django_outbox.db import libpq
+from django_outbox.models import Fence, ProcessedOperation
+
+_table = ProcessedOperation._meta.db_table
+# ON CONFLICT DO NOTHING: the insert that loses the race neither raises (which would
+# abort the PostgreSQL transaction) nor writes; RETURNING tells us whether we won.
+_CLAIM_SQL = (
+    f"INSERT INTO {_table} (key, task_name, task_id, fingerprint, result_ref, processed_at) "
+    "VALUES (%s, %s, %s, %s, '', %s) ON CONFLICT (key) DO NOTHING RETURNING key"
+)
+# Read when the claim lost: a plain statement after the claim, so it takes a new
+# snapshot and sees the row of a concurrent claimant the claim waited for. On the fast
+# path it travels with BEGIN and the claim (one round trip; a first run reads a row it
+# does not need). (A CTE that claimed or read in one statement was shipped until
+# 2026-11-30: a transaction with it took PostgreSQL about 190 us longer, on every first
+# run; bench/p2_ceiling.py.)
+_EXISTING_SQL = f"SELECT fingerprint, result_ref FROM {_table} WHERE key = %s"
+_RESULT_SQL = f"UPDATE {_table} SET result_ref = %s WHERE key = %s"
+
+# The fence: a newer execution of this job took its lease over (execution_lease) and
+# wrote its token. Read in the effect's own transaction, last before COMMIT, so a stale
+# execution that wakes up anywhere before its commit is refused.
+_fence_table = Fence._meta.db_table
+_FENCE_SQL = f"SELECT token FROM {_fence_table} WHERE task_id = %s AND token > %s"
+# The same check for the one-string commit below, which returns no rows to read: a
+# fence row turns into an error that aborts the transaction (so COMMIT rolls back). The
+# cast reads a column, so PostgreSQL cannot fold it into an error at plan time.
+_STALE = "explicit: stale fencing token"
+_FENCE_CHECK_SQL = (
+    f"SELECT CAST('{_STALE} ' || token AS integer) FROM {_fence_table} "
+    "WHERE task_id = %s AND token > %s"
+)
+
+
+@contextmanager
+def effect(
+    *,
+    key: str,
+    fingerprint: str,
+    task_name: str,
+    task_id: str,
+    using: str | None = None,
+    before_commit: Callable[[Effect], list[Statement]] | None = None,
+    fence: int | None = None,
+    other_keys: Sequence[str] = (),
+    accepted_fingerprints: Sequence[str] = (),
+) -> Iterator[Effect]:
+    """One transaction holding the effect and its ledger row.
+
+    ``before_commit`` returns statements to run in the same transaction after the
+    block (the attempt row). Raises ``IdempotencyConflict`` when the key was applied
+    with other arguments: that is neither a duplicate to absorb nor a new effect.
+    ``fence`` is the execution lease's token for job ``task_id``: the commit is
+    refused (``StaleFencingToken``, nothing written) when a newer execution took the
+    lease over. ``other_keys`` are the effect's other names (a renamed key template,
+    ``celery_explicit.key_history``): found under one, the effect is done; applied,
+    it is recorded under each of them too, in the same commit.
+    """
+    alias = using or settings.database
+    accepted = (fingerprint, *accepted_fingerprints)
+    connection = connections[alias]
+    owns_transaction = not connection.in_atomic_block
+    with transaction.atomic(using=alias):
+        trips = _round_trips(connection) if owns_transaction else None
+        params: list[Any] = [key, task_name, task_id, fingerprint, timezone.now()]
+        if trips is not None:
+            won, stored = trips.begin_claim_and_read(params)
+            if not won and stored is None:
+                stored = _stored_or_claim(connection, params)
+        else:
+            won = _claim(connection, params)
+            stored = None if won else _stored_or_claim(connection, params)
+        found_elsewhere = False
+        if stored is None and other_keys:
+            # Claimed under the key of record: under another of its names it may have
+            # been applied already (one more read, only for a job that has one).
+            stored = _stored_under(connection, other_keys)
+            found_elsewhere = stored is not None
+        if stored is None:
+            claimed = Effect(key=key, fingerprint=fingerprint, done=False)
+        else:
+            stored_fingerprint, result_ref = stored
+            if stored_fingerprint not in accepted:
+                raise IdempotencyConflict(
+                    key, stored_fingerprint=stored_fingerprint, fingerprint=fingerprint
+                )
+            claimed = Effect(key=key, fingerprint=fingerprint, done=True, result_ref=result_ref)
+
+        yield claimed
+
+        if connection.needs_rollback:
+            # Something inside the block failed and was caught (Django marked the
+            # transaction for rollback): the effect is not whole, so it must not
+            # commit, and the caller must not believe it did.
+            raise TransactionManagementError(
+                f"effect {key!r} rolled back: a database error inside the effect block "
+                "was caught; let it propagate or wrap the failing part in atomic()"
+            )
+        statements: list[Statement] = []
+        ref = str(claimed.result_ref)[:255] if claimed.result_ref else ""
+        if ref and (not claimed.done or found_elsewhere):
+            # Applied now, or under another name: the key of record's row (claimed by
+            # this transaction) carries the result a later duplicate is handed.
+            statements.append((_RESULT_SQL, [ref, key]))
+        for other in other_keys:
+            # Under every name, so a worker that knows only one of them finds it.
+            statements.append((_CLAIM_SQL, [other, *params[1:]]))
+            if ref and not claimed.done:
+                statements.append((_RESULT_SQL, [ref, other]))
+        if before_commit is not None:
+            statements += before_commit(claimed)
+        if trips is not None:
+            if fence is not None:
+                statements.append((_FENCE_CHECK_SQL, [task_id, fence]))
+            # Committed here; Django's own commit at the end of atomic() then finds the
+            # transaction closed and has nothing to do (its on_commit hooks still run).
+            try:
+                trips.execute_and_commit(statements)
+            except DatabaseError as exc:
+                # The marker is ours; the server's wording around it may be localized.
+                found = re.search(rf"{_STALE} (\d+)", str(exc))
+                if found is None:
+                    raise
+                raise _stale(task_id, key, fence, int(found.group(1))) from None
+        else:
+            with connection.cursor() as cursor:
+                for sql, statement_params in statements:
+                    cursor.execute(sql, statement_params)
+                if fence is not None:
+                    cursor.execute(_FENCE_SQL, [task_id, fence])
+                    newer_row = cursor.fetchone()
+                    if newer_row is not None:
+                        raise _stale(task_id, key, fence, int(newer_row[0]))
+
+
+def _claim(connection: Any, params: list[Any]) -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute(_CLAIM_SQL, params)
+        return cursor.fetchone() is not None
+
+
+def _stored_or_claim(connection: Any, params: list[Any]) -> Sequence[Any] | None:
+    """After a lost claim: the stored ``(fingerprint, result_ref)`` of the key, or None
+    when the row was deleted before the read (a prune of old ledger rows) and this
+    transaction has claimed the key after all."""
+    key = params[0]
+    for _ in range(3):
+        with connection.cursor() as cursor:
+            cursor.execute(_EXISTING_SQL, [key])
+            stored = cursor.fetchone()
+        if stored is not None:
+            return stored  # type: ignore[no-any-return]
+        if _claim(connection, params):
+            return None
+    raise DatabaseError(f"effect {key!r}: the ledger row kept vanishing")
+
+
+def _stored_under(connection: Any, keys: Sequence[str]) -> Sequence[Any] | None:
+    """The stored ``(fingerprint, result_ref)`` under one of ``keys``, or None: one
+    statement whatever their number."""
+    marks = ", ".join(["%s"] * len(keys))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT fingerprint, result_ref FROM {_table} WHERE key IN ({marks}) LIMIT 1",
+            list(keys),
+        )
+        return cursor.fetchone()  # type: ignore[no-any-return]
+
+
+def _stale(task_id: str, key: str, fence: int | None, newer: int) -> LeaseLost:
+    return LeaseLost(
+        f"effect {key!r} of job {task_id}",
+        token=fence or 0,
+        current=newer,
+        why="a newer execution of this job took its lease over",
+    )
+
+
+class _RoundTrips:
+    """PostgreSQL only: BEGIN + claim in one round trip, the last writes + COMMIT in one
+    (``django_outbox.db.libpq``).
+
+    A plain ``atomic()`` costs three round trips (BEGIN, the update, COMMIT); the ledger
+    would add two more statements. Sending each with its neighbour keeps the job at
+    three, which is what makes the ledger cheap next to a bare transaction
+    (docs/performance.md). The parameters are bound here as literals (``_quote``).
+    ``EXPLICIT_LEDGER_ROUND_TRIPS = False`` turns this off; libpq's blocking call would
+    stall a gevent/eventlet hub: turn it off with green pools.
+    """
+
+    def __init__(self, trips: libpq.RoundTrips) -> None:
+        self._trips = trips
+        self._raw = trips.raw
+        self._escape = trips.literal_escaper()
+
+    def _mogrify(self, sql: str, params: Sequence[Any]) -> str:
+        """psycopg's client-side binding: for the values ``_literals`` leaves to it (a
+        cursor made on demand: most jobs never need one)."""
+        import psycopg
+
+        return str(psycopg.ClientCursor(self._raw).mogrify(sql, params))
+
+    def begin_claim_and_read(self, params: Sequence[Any]) -> tuple[bool, Sequence[Any] | None]:
+        """BEGIN, the claim and the read of the stored row, in one round trip: whether
+        the claim won, and when it lost, the stored ``(fingerprint, result_ref)``.
+
+        The read is its own statement after the claim, so it takes a new snapshot and
+        sees the row of a concurrent claimant the claim waited for. A duplicate then
+        costs two round trips, not three; a first run pays for a primary-key read it
+        does not need (bench/p2_effect.py, P2a and P2c). None when the claim lost and
+        the row is gone already (pruned): the caller reads and claims again.
+        """
+        results = self._trips.run_all(
+            f"BEGIN; {self._quote(_CLAIM_SQL, params)}; {self._quote(_EXISTING_SQL, params[:1])}"
+        )
+        if results[1].ntuples:
+            return True, None
+        read = results[2]
+        if not read.ntuples:
+            return False, None
+        encoding = self._raw.info.encoding
+        return False, tuple(read.get_value(0, column).decode(encoding) for column in (0, 1))
+
+    def execute_and_commit(self, statements: list[Statement]) -> None:
+        parts = [self._quote(sql, params) for sql, params in statements]
+        self._trips.commit_with(parts, what="the effect's transaction")
+
+    def _quote(self, sql: str, params: Sequence[Any]) -> str:
+        """``sql`` with its ``%s`` placeholders replaced by ``params`` as literals.
+
+        The values a claim and an attempt row carry (text, integers, finite floats,
+        booleans, None, aware datetimes) are written here: text through libpq's own
+        ``PQescapeLiteral`` (the server's encoding and ``standard_conforming_strings``
+        respected), the rest as their SQL spelling. psycopg's ``mogrify`` did the
+        same at about 40 µs a statement, a tenth of a job's CPU in our code (py-spy,
+        bench/p1c_cpu.py); it still writes any other value, and text holding a NUL
+        byte (libpq's escape would stop at it; psycopg refuses it, as it should).
+        """
+        literals = _literals(params, self._escape)
+        if literals is None:
+            return self._mogrify(sql, params)
+        # Our statements hold no '%' but their placeholders ('%%' would stay '%').
+        return sql % literals
+
+
+#: Text written between single quotes as it is.
+_PLAIN = re.compile(r"[A-Za-z0-9 _.:@/+=,;()\[\]{}<>|#*!?~^&$-]*").fullmatch
+
+
+def _literals(values: Sequence[Any], escape: Callable[[bytes], bytes]) -> tuple[str, ...] | None:
+    """Each of ``values`` as a SQL literal; None when one of them is left to psycopg.
+
+    One loop, no function call per value: a job quotes about 26 (the claim, the
+    attempt row, the fence check). An attempt row's 20 took 16.6 µs with a call each,
+    10.9 µs in one loop (best of seven timings, on a slow day of the 2-core machine).
+    """
+    written: list[str] = []
+    append = written.append
+    for value in values:
+        kind = type(value)
+        if kind is str:
+            if _PLAIN(value):
+                # Nothing in it a literal must escape (no quote, no backslash, nothing
+                # outside printable ASCII): most keys, task names and ids.
+                append(f"'{value}'")
+            elif "\x00" in value:
+                return None
+            else:
+                append(escape(value.encode()).decode())
+        elif value is None:
+            append("NULL")
+        elif kind is bool:
+            append("true" if value else "false")
+        elif kind is int:
+            append(str(value))
+        elif kind is float and math.isfinite(value):
+            append(repr(value))
+        elif kind is dt.datetime and value.tzinfo is not None:
+            append(f"'{value.isoformat()}'::timestamptz")
+        else:
+            return None
+    return tuple(written)
+
+
+def _round_trips(connection: Any) -> _RoundTrips | None:
+    """The fast path, when this transaction is ours and has not started on the server."""
+    trips = libpq.for_new_transaction(connection, settings.ledger_round_trips)
+    return None if trips is None else _RoundTrips(trips)
+
+
+def record_takeover(
+    task_id: str,
+    key: str,
+    fence: int,
+    previous: str,
+    *,
+    cause: str = "",
+    holder_started_ms: int | None = None,
+) -> None:
+    """Announce the newer fence of job ``task_id``, before its new execution runs.
+
+    Autocommit and upsert-to-the-larger: a stale holder's ``effect()`` reads this row
+    in its commit (``_FENCE_SQL`` above). Written only on a takeover, so the common
+    path never pays for it. The row also keeps the execution taken over (its start and
+    why it lost its lease): ``explain`` tells an execution that died from it alone.
+    """
+    connection = connections[settings.database]
+    started = (
+        dt.datetime.fromtimestamp(holder_started_ms / 1000.0, dt.UTC)
+        if holder_started_ms is not None
+        else None
+    )
+    params: list[Any] = [task_id, fence, key[:255], previous[:255], timezone.now()]
+    params += [started, cause[:16]]
+    with connection.cursor() as cursor:
+        cursor.execute(_TAKEOVER_SQL, params)
+
+
+_TAKEOVER_SQL = (
+    f"INSERT INTO {_fence_table} (task_id, token, idempotency_key, taken_over_from, "
+    "taken_over_at, holder_started_at, cause) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+    "ON CONFLICT (task_id) DO UPDATE "
+    "SET token = excluded.token, idempotency_key = excluded.idempotency_key, "
+    "taken_over_from = excluded.taken_over_from, taken_over_at = excluded.taken_over_at, "
+    "holder_started_at = excluded.holder_started_at, cause = excluded.cause "
+    f"WHERE {_fence_table}.token < excluded.token"
+)
+
+__all__ = ["Effect", "Statement", "effect", "record_takeover"]
