@@ -1,16 +1,16 @@
-"""What the jobs leave behind as data: the effect ledger, attempts, dead letters.
+"""What the jobs leave behind as data: the ledger, the attempts, the dead letters.
 
 Each model answers one operator question:
-- ``ProcessedOperation``: did the business effect for this key happen, when, with what
-  result? (effect)
-- ``Attempt``: every time a worker ran the handler, and how it ended. (execution)
-- ``DeadLetter``: messages that will not run again by themselves, and why. (delivery
-  or execution that needs a human)
-- ``Fence``: which execution of a key took its lease over, so a paused one that wakes
-  up cannot commit. (concurrency)
+- ``ProcessedOperation``, the ledger: did the effect for this key happen, when, with
+  what result? One ledger entry per key.
+- ``Attempt``, the attempts: every time a worker ran the handler, and how it ended.
+- ``DeadLetter``: messages that will not run again by themselves, and why.
+- ``Fence``: which execution of a job took its lease over, so a paused one that wakes
+  up cannot commit.
 - ``OutboxEvent``: a job or event committed with the business change, waiting for the
-  relay to publish it. (delivery)
-- ``PruneRecord``: when was each table last pruned? (retention)
+  relay to publish it.
+- ``PruneRecord``: when was each table last pruned?
+- ``KeyTemplate``: the key templates workers started with (a renamed key's history).
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ class DeadLetterStatus(models.TextChoices):
 
 
 class ProcessedOperation(models.Model):
-    """The effect ledger: one row per idempotency key whose effect committed.
+    """The ledger: one ledger entry per idempotency key whose effect committed.
 
-    Written in the same transaction as the effect (``django_outbox.store.ledger.effect``), so
-    a row exists if and only if the effect committed.
+    Written in the effect's own transaction (``store.ledger.effect``): an entry exists
+    if and only if the effect committed. The model keeps the name it was created with.
     """
 
-    # The key is the primary key: its unique index is the claim (no second index to
-    # maintain on every effect).
+    # The key is the primary key: its unique index is the claim (no second index).
     key = models.CharField(max_length=255, primary_key=True)
     task_name = models.CharField(max_length=255)
     task_id = models.CharField(max_length=255)
@@ -50,8 +49,6 @@ class ProcessedOperation(models.Model):
     processed_at = models.DateTimeField()
 
     class Meta:
-        # Named after the model (it was django_outbox_effect until 0007): one name for
-        # the ledger row in Python, SQL and the docs.
         db_table = "django_outbox_processed_operation"
         verbose_name = "effect (ledger)"
         verbose_name_plural = "effect ledger"
@@ -66,10 +63,8 @@ class ProcessedOperation(models.Model):
 class Fence(models.Model):
     """The newest fencing token of a job whose execution lease was taken over.
 
-    Written only when an execution takes over the lease of an execution that never
-    released it (expired while that one was paused or stopped, or its process died);
-    a stale execution that wakes up reads it in its effect's commit and is refused. No
-    row: nobody ever took that job's lease over.
+    Written only by a takeover (the holder was paused, stopped or dead); a stale
+    execution that wakes up reads it in its effect's commit and is refused.
     """
 
     task_id = models.CharField(max_length=255, primary_key=True)
@@ -79,9 +74,9 @@ class Fence(models.Model):
         max_length=255, blank=True, default="", help_text="the previous holder (host:pid)"
     )
     taken_over_at = models.DateTimeField()
-    # The execution it was taken from, which may have left no attempt row (a killed
-    # process writes none): when it took its lease (the Redis server's clock) and why it
-    # lost it. Written by the takeover itself, so they cost nothing on the common path.
+    # The execution taken over, which may have left no attempt row (a killed process
+    # writes none): when it took its lease (Redis's clock) and why it lost it. Written
+    # by the takeover itself: nothing on the common path.
     holder_started_at = models.DateTimeField(
         null=True, blank=True, help_text="when the previous holder took its lease"
     )
@@ -129,10 +124,9 @@ class Attempt(models.Model):
     replay_of = models.BigIntegerField(
         null=True, blank=True, help_text="id of the dead letter this replays"
     )
-    # How the job was first published, and how often it was deferred before this
-    # attempt (by the step that deferred it): carried in the message's headers, so
-    # recording them costs no write of its own. db_default: rows written by hand
-    # (bench/benchapp's floor) need not name them.
+    # How the job was first published, and its deferrals before this attempt (by step):
+    # carried in the message's headers, no write of their own. db_default: rows
+    # written by hand (bench/benchapp's floor) need not name them.
     published_via = models.CharField(
         max_length=16,
         blank=True,
@@ -301,10 +295,9 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
 class OutboxEvent(models.Model):
     """A job or domain event written in the business transaction, published after commit.
 
-    The row commits or rolls back with the business change that caused it;
     ``manage.py explicit_relay`` publishes it with ``event_id`` as the Celery task id and
-    marks it published in the transaction that claimed it (``django_outbox.outbox.relay.loop``).
-    ``id`` is the creation order: events sharing an ``ordering_key`` are published in it.
+    marks it in the transaction that claimed it (``outbox.relay.loop``). ``id`` is the
+    creation order: events sharing an ``ordering_key`` are published in it.
     """
 
     event_id = models.UUIDField(default=uuid.uuid4, editable=False, help_text="the task id")
@@ -321,9 +314,8 @@ class OutboxEvent(models.Model):
     status = models.CharField(
         max_length=16, choices=OutboxStatus.choices, default=OutboxStatus.PENDING
     )
-    # The database's clock, not the writer's or the relay's: the relay compares
-    # available_at with now() in its claim, and a writer whose clock runs ahead
-    # would otherwise hold its events back.
+    # The database's clock: the claim compares available_at with now(), and a writer
+    # whose clock ran ahead would otherwise hold its events back.
     created_at = models.DateTimeField(db_default=Now())
     available_at = models.DateTimeField(
         db_default=Now(), help_text="not claimed before this time (backoff after a failure)"
@@ -331,7 +323,7 @@ class OutboxEvent(models.Model):
     published_at = models.DateTimeField(null=True, blank=True)
     attempts = models.PositiveIntegerField(default=0, help_text="publish attempts")
     last_error = models.TextField(blank=True, default="")
-    # django_outbox.outbox.relay.reconcile: when a worker's trace of the job was found (the event is
+    # outbox.relay.reconcile: when a worker's trace of the job was found (the event is
     # not looked at again), and how often it was published again for want of one.
     checked_at = models.DateTimeField(
         null=True, blank=True, help_text="a worker's trace of its job was found"
@@ -341,7 +333,6 @@ class OutboxEvent(models.Model):
         default=0, db_default=0, help_text="published again: no worker had received it"
     )
 
-    # The relay's claim is SQL of its own (django_outbox.outbox.relay.claim.claim_batch).
     objects = OutboxEventQuerySet.as_manager()
 
     class Meta:
@@ -380,8 +371,8 @@ class OutboxEvent(models.Model):
                 condition=Q(status=OutboxStatus.PUBLISHED),
                 name="django_outbox_ev_pub_idx",
             ),
-            # django_outbox.outbox.relay.reconcile: published events no worker's trace was found for
-            # yet (as small as the last reconcile_after seconds of publishes).
+            # outbox.relay.reconcile: published events without a worker's trace yet (as
+            # small as the last reconcile_after seconds of publishes).
             models.Index(
                 fields=["published_at"],
                 condition=Q(status=OutboxStatus.PUBLISHED, checked_at__isnull=True),
