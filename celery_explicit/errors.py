@@ -137,6 +137,20 @@ class LockNotAcquired(LockError):
         )
 
 
+class LockNotReplicated(LockError):
+    """Acquired, but fewer replicas than asked held the fencing token in time: the lock
+    was released again, since a failover could hand the same lock to someone else."""
+
+    def __init__(self, lock_name: str, *, replicas: int, acknowledged: int) -> None:
+        self.replicas = replicas
+        self.acknowledged = acknowledged
+        super().__init__(
+            lock_name,
+            f"Cannot acquire lock {lock_name}: {acknowledged} of the {replicas} replicas "
+            "asked for (replicas=) held its fencing token in time; the lock was released",
+        )
+
+
 class LockNotOwned(LockError):
     """Release or extend by a token that no longer owns the lock (expired or stolen)."""
 

@@ -50,7 +50,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery_explicit import job_log, metrics, redis_state
-from celery_explicit.errors import LockConfigError, LockNotAcquired, LockNotOwned
+from celery_explicit.errors import (
+    LockConfigError,
+    LockNotAcquired,
+    LockNotOwned,
+    LockNotReplicated,
+)
 from celery_explicit.redis_scripts import Script, call, tagged
 from celery_explicit.redis_state import live_strings
 
@@ -61,11 +66,19 @@ logger = job_log.get_logger("celery_explicit.locks")
 # compare; the client writes all of it, so taking the lock is one SET NX PX.
 
 # KEYS[1] - the lock
-# KEYS[2] - the fencing counter (started at the server clock in us; expires with the lock)
+# KEYS[2] - the fencing counter (expires with the lock)
 # ARGV[1] - the lock's value: "<token>|0|<acquired_ms>|<owner>"
 # ARGV[2] - ttl in milliseconds
 # return the new fencing token if acquired, otherwise false; the counter's error, with
 # the lock taken back, if it cannot be incremented
+#
+# The token is above the server's clock in microseconds as well as above the counter:
+# a counter that is gone (expired, or never replicated before a failover promoted a
+# replica) or behind (a replica that got only an older value) restarts at the clock,
+# which is past every token handed out before as long as the new primary's clock is
+# not behind the old one's by more than the failover took (seconds, with Sentinel).
+# LeaseLock(replicas=N) makes it strict where replicas exist: the token is handed out
+# only once N replicas hold it (WAIT), so the replica a failover promotes has it.
 ACQUIRE = Script(
     "lock_acquire",
     """
@@ -77,15 +90,17 @@ if not redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
     end
     return false
 end
-if redis.call('exists', KEYS[2]) == 0 then
-    local now = redis.call('time')
-    redis.call('set', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
-end
 local fence = redis.pcall('incr', KEYS[2])
 if type(fence) == 'table' and fence.err then
     -- A counter that is not one (WRONGTYPE): no lock held by a token nobody has.
     redis.call('del', KEYS[1])
     return fence
+end
+local now = redis.call('time')
+local clock = now[1] .. string.format('%06d', tonumber(now[2]))
+if fence <= tonumber(clock) then
+    redis.call('set', KEYS[2], clock)
+    fence = redis.call('incr', KEYS[2])
 end
 redis.call('pexpire', KEYS[2], ARGV[2])
 return fence
@@ -137,11 +152,26 @@ class LiveLock:
 class LeaseLock:
     """One named lock. Not reentrant; one instance per holder (it keeps the token)."""
 
-    def __init__(self, client: Any, name: str, *, ttl: float, prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        client: Any,
+        name: str,
+        *,
+        ttl: float,
+        prefix: str | None = None,
+        replicas: int = 0,
+    ) -> None:
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
             raise LockConfigError(
                 name, f"Lock {name}: ttl must be a positive number of seconds, got {ttl!r}"
             )
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise LockConfigError(
+                name, f"Lock {name}: replicas must be an integer >= 0, got {replicas!r}"
+            )
+        # Replicas that must hold the token before it is handed out (a failover then
+        # promotes one that has it); 0 trusts the server's clock alone (see ACQUIRE).
+        self.replicas = replicas
         if not name:
             raise LockConfigError(name, "a lock needs a non-empty name")
         self.client = client
@@ -177,6 +207,8 @@ class LeaseLock:
             )
             if fence:
                 self.token, self.fence = token, int(fence)
+                if self.replicas:
+                    self._wait_for_replicas(deadline)
                 waited = time.monotonic() - start
                 self._wait_seconds.observe(waited)
                 if job_log.in_job():
@@ -195,6 +227,18 @@ class LeaseLock:
                 raise LockNotAcquired(self.name, waited=now - start)
             time.sleep(min(random.uniform(pause / 2, pause), deadline - now))
             pause = min(pause * 2, 0.5)
+
+    def _wait_for_replicas(self, deadline: float) -> None:
+        # WAIT blocks this connection until the replicas acknowledged every write made
+        # on it so far, the acquisition included; at least a tenth of the TTL, so a
+        # zero ``wait`` still gives replication a round trip.
+        timeout_ms = max(int((deadline - time.monotonic()) * 1000), self._ttl_ms // 10, 1)
+        acknowledged = int(self.client.execute_command("WAIT", self.replicas, timeout_ms))
+        if acknowledged < self.replicas:
+            with suppress(Exception):  # it expires anyway; the error says why
+                self.release()
+            self.token = self.fence = None
+            raise LockNotReplicated(self.name, replicas=self.replicas, acknowledged=acknowledged)
 
     def release(self) -> None:
         """Release, only if this token still owns the lock; else ``LockNotOwned``."""

@@ -26,7 +26,7 @@ def test_acquire_release_and_exclusion(redis_client, prefix) -> None:
     with pytest.raises(LockNotAcquired, match="Cannot acquire lock rebuild:user:123"):
         b.acquire()
     a.release()
-    assert b.acquire() == fence + 1
+    assert b.acquire() > fence  # above the counter and the server clock
     assert redis_client.exists(b.key)
     b.release()
     assert not redis_client.exists(b.key)
@@ -120,6 +120,12 @@ def test_bad_ttl_is_refused_naming_the_lock(redis_client, ttl) -> None:
         LeaseLock(redis_client, "rebuild:user:9", ttl=ttl)
 
 
+@pytest.mark.parametrize("replicas", [-1, 1.5, "1", True])
+def test_bad_replicas_is_refused_naming_the_lock(redis_client, replicas) -> None:
+    with pytest.raises(LockConfigError, match="Lock rebuild:user:9: replicas must be"):
+        LeaseLock(redis_client, "rebuild:user:9", ttl=5.0, replicas=replicas)
+
+
 def test_live_locks_show_each_holders_fence_also_in_values_earlier_versions_wrote(
     redis_client, prefix
 ) -> None:
@@ -138,9 +144,10 @@ def test_live_locks_show_each_holders_fence_also_in_values_earlier_versions_wrot
     assert (live["invoice:7"].fence, live["invoice:7"].owner) == (12345, "old:1")
     a.release()
     b = lock(redis_client, prefix, "rebuild:user:1")
-    assert b.acquire() == fence + 1
+    fence_b = b.acquire()
+    assert fence_b > fence  # above the counter and the server clock
     live = {x.name: x for x in live_locks(redis_client, prefix=prefix)}
-    assert live["rebuild:user:1"].fence == fence + 1
+    assert live["rebuild:user:1"].fence == fence_b
     b.release()
 
 

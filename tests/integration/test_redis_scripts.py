@@ -65,7 +65,7 @@ def cycle(client: redis.Redis, prefix: str) -> tuple[int, int]:
 def test_the_lock_runs_as_functions_of_one_loaded_library(redis_client, prefix) -> None:
     fcalls, evals = calls(redis_client, "fcall"), calls(redis_client, "evalsha")
     first, second = cycle(redis_client, prefix)
-    assert second == first + 1
+    assert second > first
     assert calls(redis_client, "fcall") - fcalls == 5
     assert calls(redis_client, "evalsha") - evals == 0
     name = redis_scripts.library().name
@@ -78,7 +78,7 @@ def test_a_library_that_disappeared_is_loaded_again(redis_client, prefix) -> Non
     redis_client.execute_command("FUNCTION", "DELETE", redis_scripts.library().name)
     fcalls, failures = calls(redis_client, "fcall"), failed(redis_client, "fcall")
     first, second = cycle(redis_client, prefix)  # the first call finds it missing
-    assert second == first + 1
+    assert second > first
     # Five calls, the first of them twice: missing, then again after the reload.
     assert failed(redis_client, "fcall") - failures == 1
     assert calls(redis_client, "fcall") - fcalls == 5
@@ -107,7 +107,7 @@ def test_without_functions_the_same_lua_runs_as_scripts(
         client_without_functions.execute_command("FUNCTION", "LIST")  # the ACL holds
     fcalls, evals = calls(redis_client, "fcall"), calls(redis_client, "evalsha")
     first, second = cycle(client_without_functions, prefix)
-    assert second == first + 1
+    assert second > first
     assert calls(redis_client, "fcall") - fcalls == 0
     assert calls(redis_client, "evalsha") - evals == 5
 

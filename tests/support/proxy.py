@@ -6,12 +6,16 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 
 class CuttableProxy:
     """Forwards every connection to ``upstream``; ``cut(seconds)`` closes them all and
     refuses new ones (accepted, then closed at once) for that long: what a process sees
-    when its network to the server goes away and comes back."""
+    when its network to the server goes away and comes back. ``dropping = True`` keeps the
+    connections open but throws away what the server sends: what a replica sees of a
+    primary whose replication stream is lost on the way (the replica's link stays up, no
+    write arrives)."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
@@ -21,6 +25,7 @@ class CuttableProxy:
         self._open: list[socket.socket] = []
         self._cut_until = 0.0
         self.refused = 0
+        self.dropping = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def url(self, db: int = 0) -> str:
@@ -56,17 +61,22 @@ class CuttableProxy:
             with self._lock:
                 self._open += [client, server]
             threading.Thread(target=_pump, args=(client, server), daemon=True).start()
-            threading.Thread(target=_pump, args=(server, client), daemon=True).start()
+            threading.Thread(
+                target=_pump, args=(server, client, lambda: not self.dropping), daemon=True
+            ).start()
 
     def close(self) -> None:
         self.cut(0)
         _close(self._listener)
 
 
-def _pump(source: socket.socket, sink: socket.socket) -> None:
+def _pump(
+    source: socket.socket, sink: socket.socket, forward: Callable[[], bool] = lambda: True
+) -> None:
     try:
         while data := source.recv(65536):
-            sink.sendall(data)
+            if forward():
+                sink.sendall(data)
     except OSError:
         pass
     _close(source)

@@ -53,8 +53,16 @@ class PrivateRedis:
     ``data_dir/redis-server-N.log``, shown if it does not come up.
     """
 
-    def __init__(self, data_dir: Path, *, unix_socket: bool = False, durable: bool = True) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        unix_socket: bool = False,
+        durable: bool = True,
+        extra: Sequence[str] = (),
+    ) -> None:
         self.data_dir = data_dir
+        self.extra = list(extra)  # more redis-server options, e.g. --replicaof
         self.durable = durable
         self.socket_path: Path | None = data_dir / "redis.sock" if unix_socket else None
         self.port = 0 if unix_socket else free_port()
@@ -86,7 +94,16 @@ class PrivateRedis:
             if self.durable
             else ["--appendonly", "no"]
         )
-        command = [binary, *listen, "--save", "", *persistence, "--dir", str(self.data_dir)]
+        command = [
+            binary,
+            *listen,
+            "--save",
+            "",
+            *persistence,
+            "--dir",
+            str(self.data_dir),
+            *self.extra,
+        ]
         self._starts += 1
         server = RedisServerProcess(
             [*command, "--daemonize", "no"],

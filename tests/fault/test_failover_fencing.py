@@ -1,0 +1,120 @@
+"""Fault test: a Redis failover never hands out a lock's fencing token twice.
+
+Each round runs a private primary and replica on loopback, the replication link through
+a proxy. A first holder takes and releases the lock (the replica has the counter), then
+the link loses everything the primary sends (what asynchronous replication loses when
+the primary dies), A takes the lock on the primary, the primary is killed and the
+replica promoted, and B takes the same lock on it. B's token must be larger than A's,
+and A's stale ``fenced_update`` after B's write refused.
+
+The negative control runs the acquisition script that seeded the counter from the
+server clock only when it was missing: the promoted replica still has the older
+counter, so B gets A's token exactly and A's stale write lands.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter as Tally
+from pathlib import Path
+
+import pytest
+
+from celery_explicit import locks
+from celery_explicit.errors import LockNotReplicated, StaleFencingToken
+from celery_explicit.locks import LeaseLock
+from celery_explicit.redis_scripts import Script
+from django_outbox.store.guarded_writes import fenced_update
+from tests.support.replication import PrimaryReplica
+from tests.support.scale import scaled
+from tests.testapp.models import Profile
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ROUNDS = scaled(10, 50)
+
+# The acquisition before the fix: the counter restarts at the clock only when missing.
+COUNTER_ONLY = Script(
+    "lock_acquire_counter_only_control",
+    """
+if not redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return false
+end
+if redis.call('exists', KEYS[2]) == 0 then
+    local now = redis.call('time')
+    redis.call('set', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
+end
+local fence = redis.call('incr', KEYS[2])
+redis.call('pexpire', KEYS[2], ARGV[2])
+return fence
+""",
+)
+
+
+def one_round(data_dir: Path, user_id: int, *, control: bool) -> tuple[str, str]:
+    pair = PrimaryReplica(data_dir)
+    try:
+        Profile.objects.create(user_id=user_id, data="initial")
+        rows = Profile.objects.filter(user_id=user_id)
+        name = f"profile:{user_id}"
+        first = LeaseLock(pair.client(), name, ttl=30.0, prefix="failover:")
+        first.acquire()
+        first.release()
+        pair.wait_in_sync()  # the replica holds the counter as the primary left it
+
+        pair.sever()
+        a = LeaseLock(pair.client(), name, ttl=30.0, prefix="failover:")
+        fence_a = a.acquire()
+        pair.fail_over()
+        b = LeaseLock(pair.client(), name, ttl=30.0, prefix="failover:")
+        fence_b = b.acquire()
+
+        fenced_update(rows, token=fence_b, data="B")
+        try:
+            fenced_update(rows, token=fence_a, data="A")
+            write = "stale write applied" if rows.get().data == "A" else "newer write kept"
+        except StaleFencingToken:
+            write = "stale write refused"
+        tokens = (
+            "B's token larger"
+            if fence_b > fence_a
+            else ("token handed out twice" if fence_b == fence_a else "token went backwards")
+        )
+        return tokens, write
+    finally:
+        pair.stop()
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["clock-floor", "negative-control"])
+def test_a_failover_never_hands_out_a_fencing_token_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, control: bool
+) -> None:
+    if control:
+        monkeypatch.setattr(locks, "ACQUIRE", COUNTER_ONLY)
+    outcomes = Tally(
+        one_round(tmp_path / f"round-{i}", 9_000 + i, control=control) for i in range(ROUNDS)
+    )
+    if control:
+        assert outcomes == Tally({("token handed out twice", "stale write applied"): ROUNDS})
+    else:
+        assert outcomes == Tally({("B's token larger", "stale write refused"): ROUNDS})
+
+
+def test_replicas_asked_for_hold_the_token_or_the_lock_is_not_taken(tmp_path: Path) -> None:
+    pair = PrimaryReplica(tmp_path)
+    try:
+        name = f"replicated:{uuid.uuid4().hex[:8]}"
+        held = LeaseLock(pair.client(), name, ttl=2.0, prefix="failover:", replicas=1)
+        fence = held.acquire()
+        assert fence > 0 and held.token is not None
+        held.release()
+
+        pair.sever()
+        cut_off = LeaseLock(pair.client(), name, ttl=2.0, prefix="failover:", replicas=1)
+        with pytest.raises(LockNotReplicated, match=rf"lock {name}: 0 of the 1 replicas"):
+            cut_off.acquire()
+        assert cut_off.token is None
+        # Released again: another holder takes it at once on the primary.
+        assert LeaseLock(pair.client(), name, ttl=2.0, prefix="failover:").acquire() > fence
+    finally:
+        pair.stop()

@@ -1,0 +1,71 @@
+"""A private Redis primary and replica on loopback, with the replication link through a
+proxy, for what a failover loses.
+
+Redis replicates asynchronously: a write the primary acknowledged may not have reached
+the replica when the primary dies and the replica is promoted (by Sentinel, or by a
+managed Redis). ``sever()`` makes that window as wide as a test needs: the replica's
+link stays up but nothing the primary sends arrives. ``fail_over()`` kills the primary
+and promotes the replica, what Sentinel does after ``down-after-milliseconds``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import redis
+
+from tests.support.proxy import CuttableProxy
+from tests.support.servers import PrivateRedis
+
+
+class PrimaryReplica:
+    def __init__(self, data_dir: Path) -> None:
+        # No delay before a full sync (Redis waits 5 s for more replicas by default).
+        self.primary = PrivateRedis(
+            data_dir / "primary", durable=False, extra=["--repl-diskless-sync-delay", "0"]
+        )
+        self.primary.start()
+        self.link = CuttableProxy(("127.0.0.1", self.primary.port))
+        self.replica = PrivateRedis(
+            data_dir / "replica",
+            durable=False,
+            extra=["--replicaof", "127.0.0.1", str(self.link.port)],
+        )
+        self.replica.start()
+        self.promoted = False
+        self.wait_in_sync()
+
+    def client(self) -> redis.Redis:
+        """A client of whichever server is the primary now."""
+        server = self.replica if self.promoted else self.primary
+        return redis.Redis.from_url(server.url)
+
+    def wait_in_sync(self, timeout: float = 10.0) -> None:
+        """Until the replica's link is up and it has everything the primary wrote."""
+        primary = redis.Redis.from_url(self.primary.url)
+        replica = redis.Redis.from_url(self.replica.url)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = replica.info("replication")
+            offset = primary.info("replication")["master_repl_offset"]
+            if info.get("master_link_status") == "up" and info["slave_repl_offset"] >= offset:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"the replica did not catch up within {timeout} s")
+
+    def sever(self) -> None:
+        """From now on nothing the primary sends reaches the replica."""
+        self.link.dropping = True
+
+    def fail_over(self) -> None:
+        """Kill the primary and promote the replica."""
+        self.primary.kill()
+        redis.Redis.from_url(self.replica.url).execute_command("REPLICAOF", "NO", "ONE")
+        self.promoted = True
+
+    def stop(self) -> None:
+        self.link.close()
+        for server in (self.replica, self.primary):
+            if server.process is not None:
+                server.stop()
