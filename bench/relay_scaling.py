@@ -1,0 +1,169 @@
+"""Several outbox relays side by side: events per second with 1, 2 and 4 relay processes,
+with the order per key and the once-only publish checked on what reached the broker.
+
+Each round starts K ``manage.py explicit_relay`` processes (polling every 20 ms) on an
+empty table, then commits a backlog of N events in one transaction: events with an
+ordering key (``--keys`` of them, numbered within their key) and, one in
+``--unkeyed-every``, events without one. Rate = N / (commit -> the last message in
+the Redis queue). Then every message in the queue is read back: an event published
+twice (by two relays, or twice by one) or a key whose numbers arrive out of order
+fails the run. Relay counts are interleaved within each round, so every count sees
+the same machine.
+
+The claim (``FOR UPDATE SKIP LOCKED``, one event per key per batch) is what lets
+relays share a table; a key's next event is claimable only after the previous one's
+publish committed, so many events on few keys scale less than many keys.
+
+    scripts/bench relay_scaling.py [--events 20000] [--keys 500] [--rounds 3]
+                                   [--relays 1,2,4] [--batch-size 500]
+
+Everything shares one machine's cores (2 here): relays, PostgreSQL and Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+
+from common import DB_NAME, ROOT, setup_django, vacuum
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--events", type=int, default=20000)
+    parser.add_argument("--keys", type=int, default=500, help="ordering keys in the backlog")
+    parser.add_argument(
+        "--unkeyed-every", type=int, default=4, help="one event in this many has no key"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--relays", default="1,2,4", help="relay counts to compare")
+    parser.add_argument("--batch-size", type=int, default=500)
+    args = parser.parse_args()
+    counts = [int(c) for c in args.relays.split(",")]
+    queue = f"bench-{uuid.uuid4().hex[:8]}"
+    os.environ["EXPLICIT_BENCH_QUEUE"] = queue
+    setup_django()
+
+    import redis
+    from django.conf import settings as django_settings
+    from django.db import transaction
+
+    from bench.benchapp.tasks import ExplicitUpdate
+    from bench.celery_app import app
+    from django_outbox.models import OutboxEvent
+
+    task = app.tasks[ExplicitUpdate.name]
+    broker = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "bench.settings",
+        "EXPLICIT_TEST_DB_NAME": DB_NAME,
+        "PYTHONPATH": str(ROOT),
+    }
+
+    def start_relays(k: int) -> list[subprocess.Popen[str]]:
+        relays = []
+        for _ in range(k):
+            # fmt: off
+            relay = subprocess.Popen(
+                [sys.executable, "-m", "django", "explicit_relay", "--batch-size",
+                 str(args.batch_size), "--poll-interval", "0.02"],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            # fmt: on
+            atexit.register(relay.kill)  # a failed run must not leave a relay publishing
+            assert relay.stdout is not None
+            before: list[str] = []
+            while "ready" not in (line := relay.stdout.readline()):
+                assert line, "".join(before)
+                before.append(line)
+            relays.append(relay)
+        return relays
+
+    def backlog() -> list[OutboxEvent]:
+        events = []
+        numbers: dict[str, int] = defaultdict(int)
+        for i in range(args.events):
+            key = None if i % args.unkeyed_every == 0 else f"key-{i % args.keys}"
+            seq = numbers[key or ""]
+            numbers[key or ""] += 1
+            events.append(
+                OutboxEvent(
+                    task_name=task.name,
+                    kwargs={"row_id": i % 100, "op_id": f"{key or '-'}|{seq}|{i}"},
+                    headers={"idempotency_key": f"scale:{i}"},
+                    ordering_key=key or "",
+                )
+            )
+        return events
+
+    def one_run(k: int) -> float:
+        OutboxEvent.objects.all().delete()
+        vacuum()
+        broker.delete(queue)
+        relays = start_relays(k)
+        try:
+            rows = backlog()
+            with transaction.atomic():
+                OutboxEvent.objects.bulk_create(rows)
+            start = time.perf_counter()
+            deadline = start + 600
+            while broker.llen(queue) < args.events:
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"{k} relays: {broker.llen(queue)} of {args.events}")
+                time.sleep(0.005)
+            elapsed = time.perf_counter() - start
+        finally:
+            for relay in relays:
+                relay.terminate()
+            for relay in relays:
+                relay.wait(30)
+        check(k)
+        return args.events / elapsed
+
+    def check(k: int) -> None:
+        # kombu's Redis transport LPUSHes: the oldest message is at the list's tail.
+        raw = broker.lrange(queue, 0, -1)[::-1]
+        seen: set[str] = set()
+        last: dict[str, int] = {}
+        for item in raw:
+            envelope = json.loads(item)
+            body = json.loads(base64.b64decode(envelope["body"]))
+            key, seq, i = body[1]["op_id"].split("|")
+            if i in seen:
+                raise AssertionError(f"{k} relays: event {i} published twice")
+            seen.add(i)
+            if key != "-":
+                if last.get(key, -1) >= int(seq):
+                    raise AssertionError(f"{k} relays: key {key} out of order at {seq}")
+                last[key] = int(seq)
+        assert len(seen) == args.events, (k, len(seen))
+
+    rates: dict[int, list[float]] = {k: [] for k in counts}
+    for round_no in range(args.rounds):
+        for k in counts:
+            rates[k].append(one_run(k))
+        line = ", ".join(f"{k}: {rates[k][-1]:.0f}/s" for k in counts)
+        print(f"round {round_no + 1}: {line} (no event twice, every key in order)")
+    base = statistics.median(rates[counts[0]])
+    print(f"\n{args.events} events, {args.keys} keys, batch {args.batch_size}:")
+    for k in counts:
+        median = statistics.median(rates[k])
+        print(
+            f"{k} relay{'s' if k > 1 else ' '}  median {median:8.0f} events/s  "
+            f"x{median / base:.2f}  (rounds: {', '.join(f'{r:.0f}' for r in rates[k])})"
+        )
+    broker.delete(queue)
+
+
+if __name__ == "__main__":
+    main()
