@@ -19,28 +19,28 @@ lint:
 bench: bench-p1 bench-p2 bench-p3 bench-p4 bench-p5 bench-lag
 
 bench-p1:
-	./scripts/bench p1_throughput.py
+	./scripts/bench throughput.py
 
 bench-p1-floor:
-	./scripts/bench p1_throughput.py --floor
+	./scripts/bench throughput.py --floor
 
 bench-p1-processes:
-	./scripts/bench p1_throughput.py --floor --by-process --tasks 1000 --rounds 4
+	./scripts/bench throughput.py --floor --by-process --tasks 1000 --rounds 4
 
 bench-p2:
-	./scripts/bench p2_effect.py
+	./scripts/bench effect_cost.py
 
 bench-p2-ceiling:
-	./scripts/bench p2_ceiling.py
+	./scripts/bench effect_ceiling.py
 
 bench-p4:
-	./scripts/bench p4_locks.py
+	./scripts/bench lock_round_trips.py
 
 bench-p5:
-	./scripts/bench p5_cache.py
+	./scripts/bench cache_hit.py
 
 bench-p3:
-	./scripts/bench p3_relay.py
+	./scripts/bench relay_throughput.py
 
 bench-lag:
 	./scripts/bench outbox_lag.py

@@ -5,7 +5,7 @@ unacknowledged (``QoS.append``: the ``unacked`` hash and ``unacked_index``) in a
 command, once the reply has reached the worker and been parsed. Between the two the
 message is nowhere on the server: a worker SIGKILLed there, or whose connection drops
 with the reply in flight, loses it for good. The short kill storm
-(``tests/chaos/test_r1_kills.py``) lost a job this way about once in 20 runs, each with
+(``tests/chaos/test_kills.py``) lost a job this way about once in 20 runs, each with
 eight whole-worker kills.
 
 Here one script takes the message and records it in the same step (``FETCH``): off

@@ -40,7 +40,7 @@ except ImportError:  # psycopg2 only: nothing here is used (the plain path is ta
     psycopg = None  # type: ignore[assignment]
 else:
     # Resolved once: an import statement and enum look-ups in a function called four
-    # times a job cost more than the rest of it (py-spy, bench/p1c_cpu.py).
+    # times a job cost more than the rest of it (py-spy, bench/cpu_per_job.py).
     _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
     _IDLE = pq.TransactionStatus.IDLE
     _INTRANS = pq.TransactionStatus.INTRANS

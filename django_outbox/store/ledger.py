@@ -32,39 +32,7 @@ from django.utils import timezone
 from celery_explicit.errors import IdempotencyConflict, LeaseLost
 from celery_explicit.store import Effect, Statement
 from django_outbox.conf import settings
-from django_outbox.db import libpq
-from django_outbox.models import Fence, ProcessedOperation
-
-_table = ProcessedOperation._meta.db_table
-# ON CONFLICT DO NOTHING: the insert that loses the race neither raises (which would
-# abort the PostgreSQL transaction) nor writes; RETURNING tells us whether we won.
-_CLAIM_SQL = (
-    f"INSERT INTO {_table} (key, task_name, task_id, fingerprint, result_ref, processed_at) "
-    "VALUES (%s, %s, %s, %s, '', %s) ON CONFLICT (key) DO NOTHING RETURNING key"
-)
-# Read when the claim lost: a plain statement after the claim, so it takes a new
-# snapshot and sees the row of a concurrent claimant the claim waited for. On the fast
-# path it travels with BEGIN and the claim (one round trip; a first run reads a row it
-# does not need). (A CTE that claimed or read in one statement was shipped until
-# 2026-11-30: a transaction with it took PostgreSQL about 190 us longer, on every first
-# run; bench/p2_ceiling.py.)
-_EXISTING_SQL = f"SELECT fingerprint, result_ref FROM {_table} WHERE key = %s"
-_RESULT_SQL = f"UPDATE {_table} SET result_ref = %s WHERE key = %s"
-
-# The fence: a newer execution of this job took its lease over (execution_lease) and
-# wrote its token. Read in the effect's own transaction, last before COMMIT, so a stale
-# execution that wakes up anywhere before its commit is refused.
-_fence_table = Fence._meta.db_table
-_FENCE_SQL = f"SELECT token FROM {_fence_table} WHERE task_id = %s AND token > %s"
-# The same check for the one-string commit below, which returns no rows to read: a
-# fence row turns into an error that aborts the transaction (so COMMIT rolls back). The
-# cast reads a column, so PostgreSQL cannot fold it into an error at plan time.
-_STALE = "explicit: stale fencing token"
-_FENCE_CHECK_SQL = (
-    f"SELECT CAST('{_STALE} ' || token AS integer) FROM {_fence_table} "
-    "WHERE task_id = %s AND token > %s"
-)
-
+from django_outbox.db import ledger_sql, libpq
 
 @contextmanager
 def effect(
@@ -135,24 +103,24 @@ def effect(
         if ref and (not claimed.done or found_elsewhere):
             # Applied now, or under another name: the key of record's row (claimed by
             # this transaction) carries the result a later duplicate is handed.
-            statements.append((_RESULT_SQL, [ref, key]))
+            statements.append((ledger_sql.RESULT, [ref, key]))
         for other in other_keys:
             # Under every name, so a worker that knows only one of them finds it.
-            statements.append((_CLAIM_SQL, [other, *params[1:]]))
+            statements.append((ledger_sql.CLAIM, [other, *params[1:]]))
             if ref and not claimed.done:
-                statements.append((_RESULT_SQL, [ref, other]))
+                statements.append((ledger_sql.RESULT, [ref, other]))
         if before_commit is not None:
             statements += before_commit(claimed)
         if trips is not None:
             if fence is not None:
-                statements.append((_FENCE_CHECK_SQL, [task_id, fence]))
+                statements.append((ledger_sql.FENCE_CHECK, [task_id, fence]))
             # Committed here; Django's own commit at the end of atomic() then finds the
             # transaction closed and has nothing to do (its on_commit hooks still run).
             try:
                 trips.execute_and_commit(statements)
             except DatabaseError as exc:
                 # The marker is ours; the server's wording around it may be localized.
-                found = re.search(rf"{_STALE} (\d+)", str(exc))
+                found = re.search(rf"{ledger_sql.STALE_MARKER} (\d+)", str(exc))
                 if found is None:
                     raise
                 raise _stale(task_id, key, fence, int(found.group(1))) from None
@@ -161,7 +129,7 @@ def effect(
                 for sql, statement_params in statements:
                     cursor.execute(sql, statement_params)
                 if fence is not None:
-                    cursor.execute(_FENCE_SQL, [task_id, fence])
+                    cursor.execute(ledger_sql.FENCE, [task_id, fence])
                     newer_row = cursor.fetchone()
                     if newer_row is not None:
                         raise _stale(task_id, key, fence, int(newer_row[0]))
@@ -169,7 +137,7 @@ def effect(
 
 def _claim(connection: Any, params: list[Any]) -> bool:
     with connection.cursor() as cursor:
-        cursor.execute(_CLAIM_SQL, params)
+        cursor.execute(ledger_sql.CLAIM, params)
         return cursor.fetchone() is not None
 
 
@@ -180,7 +148,7 @@ def _stored_or_claim(connection: Any, params: list[Any]) -> Sequence[Any] | None
     key = params[0]
     for _ in range(3):
         with connection.cursor() as cursor:
-            cursor.execute(_EXISTING_SQL, [key])
+            cursor.execute(ledger_sql.EXISTING, [key])
             stored = cursor.fetchone()
         if stored is not None:
             return stored  # type: ignore[no-any-return]
@@ -194,10 +162,7 @@ def _stored_under(connection: Any, keys: Sequence[str]) -> Sequence[Any] | None:
     statement whatever their number."""
     marks = ", ".join(["%s"] * len(keys))
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT fingerprint, result_ref FROM {_table} WHERE key IN ({marks}) LIMIT 1",
-            list(keys),
-        )
+        cursor.execute(ledger_sql.EXISTING_UNDER_ANY.format(placeholders=marks), list(keys))
         return cursor.fetchone()  # type: ignore[no-any-return]
 
 
@@ -241,11 +206,12 @@ class _RoundTrips:
         The read is its own statement after the claim, so it takes a new snapshot and
         sees the row of a concurrent claimant the claim waited for. A duplicate then
         costs two round trips, not three; a first run pays for a primary-key read it
-        does not need (bench/p2_effect.py, P2a and P2c). None when the claim lost and
+        does not need (bench/effect_cost.py, P2a and P2c). None when the claim lost and
         the row is gone already (pruned): the caller reads and claims again.
         """
         results = self._trips.run_all(
-            f"BEGIN; {self._quote(_CLAIM_SQL, params)}; {self._quote(_EXISTING_SQL, params[:1])}"
+            f"BEGIN; {self._quote(ledger_sql.CLAIM, params)}; "
+            f"{self._quote(ledger_sql.EXISTING, params[:1])}"
         )
         if results[1].ntuples:
             return True, None
@@ -267,7 +233,7 @@ class _RoundTrips:
         ``PQescapeLiteral`` (the server's encoding and ``standard_conforming_strings``
         respected), the rest as their SQL spelling. psycopg's ``mogrify`` did the
         same at about 40 µs a statement, a tenth of a job's CPU in our code (py-spy,
-        bench/p1c_cpu.py); it still writes any other value, and text holding a NUL
+        bench/cpu_per_job.py); it still writes any other value, and text holding a NUL
         byte (libpq's escape would stop at it; psycopg refuses it, as it should).
         """
         literals = _literals(params, self._escape)
@@ -334,7 +300,7 @@ def record_takeover(
     """Announce the newer fence of job ``task_id``, before its new execution runs.
 
     Autocommit and upsert-to-the-larger: a stale holder's ``effect()`` reads this row
-    in its commit (``_FENCE_SQL`` above). Written only on a takeover, so the common
+    in its commit (``ledger_sql.FENCE``). Written only on a takeover, so the common
     path never pays for it. The row also keeps the execution taken over (its start and
     why it lost its lease): ``explain`` tells an execution that died from it alone.
     """
@@ -347,17 +313,7 @@ def record_takeover(
     params: list[Any] = [task_id, fence, key[:255], previous[:255], timezone.now()]
     params += [started, cause[:16]]
     with connection.cursor() as cursor:
-        cursor.execute(_TAKEOVER_SQL, params)
+        cursor.execute(ledger_sql.TAKEOVER, params)
 
-
-_TAKEOVER_SQL = (
-    f"INSERT INTO {_fence_table} (task_id, token, idempotency_key, taken_over_from, "
-    "taken_over_at, holder_started_at, cause) VALUES (%s, %s, %s, %s, %s, %s, %s) "
-    "ON CONFLICT (task_id) DO UPDATE "
-    "SET token = excluded.token, idempotency_key = excluded.idempotency_key, "
-    "taken_over_from = excluded.taken_over_from, taken_over_at = excluded.taken_over_at, "
-    "holder_started_at = excluded.holder_started_at, cause = excluded.cause "
-    f"WHERE {_fence_table}.token < excluded.token"
-)
 
 __all__ = ["Effect", "Statement", "effect", "record_takeover"]

@@ -1,6 +1,6 @@
-"""The business writes of the broker scenarios (R2, R5): a producer in the test process
-that, per job, commits the business row (``chaos_publish``) and hands the job
-(``tasks.ChaosJob``) to the broker one of three ways; a sampler of the outbox
+"""The business writes of the broker scenarios (restarts, outage): a producer in the
+test process that, per job, commits the business row (``chaos_publish``) and hands the
+job (``tasks.ChaosJob``) to the broker one of three ways; a sampler of the outbox
 backlog; a supervisor that restarts workers.
 
 - ``outbox``: ``dispatch(durable=True)`` in the business transaction; the relay
@@ -166,9 +166,9 @@ class Backlog:
 
 @dataclass
 class OutboxRig:
-    """R2's and R5's set-up: a private append-only broker Redis, two supervised workers
-    and two relays on it, a producer writing through the outbox and a control producer
-    writing the other way, and the backlog they leave."""
+    """The broker scenarios' set-up: a private append-only broker Redis, two supervised
+    workers and two relays on it, a producer writing through the outbox and a control
+    producer writing the other way, and the backlog they leave."""
 
     broker: Any
     workers: Supervisor

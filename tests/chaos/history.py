@@ -78,7 +78,7 @@ def check(run: str, *, key_prefix: str = "chaos") -> Counts:
                 SELECT DISTINCT split_part(idempotency_key, ':', 3)::int AS job
                 FROM django_outbox_dead_letter
                 WHERE idempotency_key LIKE %(like)s
-                  -- a malformed message's key may hold anything there (R10)
+                  -- a malformed message's key may hold anything there (unexpected bodies)
                   AND split_part(idempotency_key, ':', 3) ~ '^[0-9]+$'
             )
             SELECT

@@ -1,5 +1,6 @@
-"""A lease-lock holder in a process of its own, for R4: the test stops it (SIGSTOP)
-while it holds the lock, so the pause is a real one, not a sleep in the test.
+"""A lease-lock holder in a process of its own, for test_paused_lock_holder.py: the test
+stops it (SIGSTOP) while it holds the lock, so the pause is a real one, not a sleep in
+the test.
 
 ``python -m tests.chaos.lock_holder PREFIX FENCED`` reads commands on stdin and answers
 one line each on stdout:

@@ -1,5 +1,6 @@
-"""Network namespaces of a test's own, for R9: "hosts" linked to a "services" namespace
-by veth pairs, each link its own /24, so one host's link can be cut and restored.
+"""Network namespaces of a test's own, for test_host_partitions.py: "hosts" linked to a
+"services" namespace by veth pairs, each link its own /24, so one host's link can be cut
+and restored.
 
 Needs root (``ip netns``). Everything is named ``ce<6 hex>…`` per run and removed by
 ``Topology.close()`` (deleting a namespace deletes its processes' sockets and the veth

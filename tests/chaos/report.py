@@ -4,6 +4,10 @@ scenarios run; ``python -m tests.chaos.report [FILE]`` prints them as the table.
 
 A scenario whose invariant did not hold, or whose negative control did not show the
 failure it exists to show, fails (the test asserts ``row.ok``).
+
+Each scenario is named after its fault, as its test file is (``kills (redis)`` is
+``test_kills.py`` on Redis); the table also shows the short id docs/reliability.md
+lists it under.
 """
 
 from __future__ import annotations
@@ -26,8 +30,28 @@ def results_file() -> Path:
     return Path(os.environ.get("EXPLICIT_CHAOS_RESULTS", ROOT / ".chaos" / f"{SCALE}.jsonl"))
 
 
+#: The short id of each scenario in docs/reliability.md, in that table's order. A label
+#: for the reader only: rows are keyed by the scenario's name.
+SHORT_IDS = {
+    "kills": "R1",
+    "broker restarts": "R2",
+    "stopped task": "R3",
+    "paused lock holder": "R4",
+    "broker outage": "R5",
+    "poison messages": "R6",
+    "retry storm": "R7",
+    "postgres restarts": "R8",
+    "host partitions": "R9",
+    "unexpected bodies": "R10",
+    "rolling deploys": "R11",
+    "throughput under kills": "P6",
+}
+
+
 @dataclass
 class Row:
+    #: Named after the fault, with the broker in brackets where it runs on several:
+    #: "kills (redis)".
     scenario: str
     fault: str
     faults: int
@@ -55,16 +79,28 @@ class Row:
             out.write(json.dumps(record) + "\n")
 
 
+def short_id(scenario: str) -> str:
+    return SHORT_IDS.get(scenario.split(" (")[0], "-")
+
+
+def order(scenario: str) -> tuple[int, str]:
+    """The order of docs/reliability.md's table; a scenario it does not list comes last."""
+    names = list(SHORT_IDS)
+    name = scenario.split(" (")[0]
+    return (names.index(name) if name in names else len(names), scenario)
+
+
 def table(rows: list[dict[str, object]]) -> str:
-    head = "| # | fault | faults | jobs | lost | dup | figures | negative control | ok |"
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = "| # | scenario | fault | faults | jobs | lost | dup | figures | negative control | ok |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         figures = row.get("figures") or {}
         shown = "; ".join(f"{k} {v}" for k, v in figures.items())  # type: ignore[union-attr]
+        scenario = str(row["scenario"])
         lines.append(
-            f"| {row['scenario']} | {row['fault']} | {row['faults']} | {row['jobs']} | "
-            f"{row['lost']} | {row['duplicates']} | {shown} | {row['control']} | "
-            f"{'yes' if row['ok'] else 'NO'} |"
+            f"| {short_id(scenario)} | {scenario} | {row['fault']} | {row['faults']} | "
+            f"{row['jobs']} | {row['lost']} | {row['duplicates']} | {shown} | "
+            f"{row['control']} | {'yes' if row['ok'] else 'NO'} |"
         )
     return "\n".join(lines)
 
@@ -78,7 +114,7 @@ def main() -> int:
     for line in path.read_text().splitlines():
         row = json.loads(line)
         latest[str(row["scenario"])] = row  # the last run of each scenario
-    rows = sorted(latest.values(), key=lambda r: (len(str(r["scenario"])), str(r["scenario"])))
+    rows = sorted(latest.values(), key=lambda r: order(str(r["scenario"])))
     print(table(rows))
     return 0 if all(r["ok"] for r in rows) else 1
 

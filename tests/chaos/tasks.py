@@ -65,17 +65,17 @@ def chaos_job_unguarded(
 
 
 app.register_task(ChaosJob())
-# The scenarios' own tasks (helpers add theirs here), registered with the same app:
+# The scenarios' own tasks, registered with the same app:
 # the worker imports this module through tests/testapp/tasks.py.
-from tests.chaos import tasks_r7, tasks_r8, tasks_r11  # noqa: E402, F401
+from tests.chaos import tasks_deploys, tasks_postgres, tasks_retry_storm  # noqa: E402, F401
 
 
 class ChaosJobUnlimited(ChaosJob):
-    """R6's negative control: no delivery limit to speak of (a crasher loops)."""
+    """The poison messages' negative control: no delivery limit to speak of (a crasher loops)."""
 
     name = "chaos.job_unlimited"
     max_deliveries = 10_000
 
 
 app.register_task(ChaosJobUnlimited())
-from tests.chaos import tasks_r9  # noqa: E402, F401
+from tests.chaos import tasks_hosts  # noqa: E402, F401

@@ -1,5 +1,5 @@
-"""R11's task: a chaos job that counts its handler's starts (a deploy must not start a
-running job a second time) and runs longer than its lease."""
+"""The rolling deploys' task: a chaos job that counts its handler's starts (a deploy
+must not start a running job a second time) and runs longer than its lease."""
 
 from __future__ import annotations
 

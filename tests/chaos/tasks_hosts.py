@@ -1,8 +1,8 @@
-"""R9's task, and the client the test runs next to the private services.
+"""The host partitions' task, and the client the test runs next to the private services.
 
-``chaos.r9_job`` runs longer than its lease on the first host that gets it: it says
-where it runs (``r9:started:<run>:<job>``, ``<host>:<pid>``), then waits for the test's
-``r9:proceed`` key while the test cuts that host's link past the lease and restores it.
+``chaos.host_job`` runs longer than its lease on the first host that gets it: it says
+where it runs (``hosts:started:<run>:<job>``, ``<host>:<pid>``), then waits for the test's
+``hosts:proceed`` key while the test cuts that host's link past the lease and restores it.
 Any later execution (the host that took the job over) goes straight to the effect.
 
 The effect is guarded by the execution lease's fencing token alone (``fenced_update``
@@ -34,7 +34,7 @@ from celery_explicit.errors import LeaseLost, StaleFencingToken
 from tests.celery_app import app
 
 #: Where the worker runs: its host namespace's name, set by the test.
-HOST_ENV = "EXPLICIT_R9_HOST"
+HOST_ENV = "EXPLICIT_CHAOS_HOST"
 #: How long the first execution waits for the test to say "proceed" (the link is back).
 PROCEED_WAIT = 180.0
 
@@ -67,7 +67,7 @@ def _backend_pid() -> int:
 
 
 class HostJob(ExplicitTask):
-    name = "chaos.r9_job"
+    name = "chaos.host_job"
     idempotency_key = "chaos:{run}:{job}"
     # Short, so a cut of a few seconds outlasts it; the handler's own run is short
     # except on the first host, which the test keeps waiting across the cut.
@@ -92,13 +92,13 @@ class HostJob(ExplicitTask):
         rows = Profile.objects.filter(user_id=guard)
         rows.exists()
         backend = _backend_pid()
-        if _push(client, f"r9:started:{run}:{job}", me) == 1:
+        if _push(client, f"hosts:started:{run}:{job}", me) == 1:
             # The first execution: the test cuts this host's link now, past the lease,
             # and says proceed once the link is back.
             deadline = time.monotonic() + PROCEED_WAIT
             while time.monotonic() < deadline:
                 try:
-                    if client.exists(f"r9:proceed:{run}:{job}"):
+                    if client.exists(f"hosts:proceed:{run}:{job}"):
                         break
                 except redis.RedisError:
                     pass  # the link is cut: keep waiting
@@ -110,7 +110,7 @@ class HostJob(ExplicitTask):
             except DatabaseError:
                 connection.close()  # reset across the cut: the effect opens a new one
                 after = "reset"
-            _push(client, f"r9:pg:{run}:{job}", after)
+            _push(client, f"hosts:pg:{run}:{job}", after)
         token = self.fencing_token
         with transaction.atomic():
             if token is None:
@@ -126,7 +126,7 @@ class HostJob(ExplicitTask):
                         why="a newer execution of this job took its lease over",
                     ) from exc
             history.record_effect(run, job, os.getpid())
-        _push(client, f"r9:applied:{run}:{job}", me)
+        _push(client, f"hosts:applied:{run}:{job}", me)
 
 
 app.register_task(HostJob())
@@ -134,7 +134,7 @@ app.register_task(HostJob())
 
 #: The client's command line: not ``-m`` on this module, which would register the task a
 #: second time under ``__main__``.
-CLIENT = "import django; django.setup(); from tests.chaos.tasks_r9 import serve; serve()"
+CLIENT = "import django; django.setup(); from tests.chaos.tasks_hosts import serve; serve()"
 
 
 def _answer(value: object) -> None:

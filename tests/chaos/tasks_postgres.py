@@ -1,4 +1,5 @@
-"""R8's task: the chaos job, with a lost database connection declared transient.
+"""The PostgreSQL restarts' task: the chaos job, with a lost database connection
+declared transient.
 
 A PostgreSQL restart reaches the handler as ``OperationalError`` (the server went away
 mid-transaction, or refused the connection) or ``InterfaceError`` (Django's connection

@@ -1,7 +1,8 @@
-"""R7's tasks: a job that calls a sick HTTP downstream through its declared limits.
+"""The retry storm's tasks: a job that calls a sick HTTP downstream through its declared
+limits.
 
-The downstream is a small HTTP server in the test process (tests/chaos/test_r7_retry_storm
-.py); it answers 503 during its outage, 400 to the jobs it marks as invalid, 200 otherwise.
+The downstream is a small HTTP server in the test process (tests/chaos/test_retry_storm.py);
+it answers 503 during its outage, 400 to the jobs it marks as invalid, 200 otherwise.
 A 503 is transient (``retry_on``), a 4xx permanent (``fail_on``): the library's retry
 policy and the downstream's breaker do the rest.
 
@@ -52,7 +53,7 @@ def _downstream(name: str) -> Downstream:
     )
 
 
-R7_DOWNSTREAM = _downstream("chaos-r7")
+SICK_DOWNSTREAM = _downstream("chaos-sick-downstream")
 
 
 def call(url: str, run: str, job: int) -> int:
@@ -69,9 +70,9 @@ def call(url: str, run: str, job: int) -> int:
 
 
 class CallDownstream(ExplicitTask):
-    name = "chaos.r7_call"
+    name = "chaos.call_downstream"
     idempotency_key = "chaos:{run}:{job}"
-    downstream = R7_DOWNSTREAM
+    downstream = SICK_DOWNSTREAM
     visibility_timeout = 10
     expected_duration = 1
     retry_on = (Unavailable,)
@@ -106,7 +107,7 @@ class CallDownstreamStorm(CallDownstream):
     every retry reaches the sick downstream) and no jitter (every job's n-th retry waits
     exactly as long as every other job's)."""
 
-    name = "chaos.r7_call_storm"
+    name = "chaos.call_downstream_storm"
     downstream = None
 
 

@@ -1,4 +1,4 @@
-"""R5: the broker down for a long outage (SIGKILL, started again on the same
+"""The broker down for a long outage (SIGKILL, started again on the same
 append-only file after the outage) under steady business writes through the outbox.
 
 Must hold: every business commit succeeds during the outage (the broker is not the
@@ -46,7 +46,7 @@ def publish_failures() -> float:
     )
 
 
-def test_r5_broker_down_under_steady_writes(
+def test_broker_down_under_steady_writes(
     start_worker, start_relay, queue, run_id, tmp_path
 ) -> None:
     started = time.monotonic()
@@ -102,7 +102,7 @@ def test_r5_broker_down_under_steady_writes(
         workers = rig.workers
 
     row = Row(
-        scenario="R5",
+        scenario="broker outage",
         fault=f"broker Redis (appendonly) down {OUTAGE} s (SIGKILL) under steady writes "
         "through the outbox, one every 20-50 ms",
         faults=1,

@@ -1,4 +1,4 @@
-"""R2: the broker's Redis restarted (SIGKILL or SIGTERM, then started again on the same
+"""The broker's Redis restarted (SIGKILL or SIGTERM, then started again on the same
 append-only file) several times while producers write through the outbox.
 
 Must hold: every committed business row has its job's effect (0 lost), applied once
@@ -10,8 +10,8 @@ loses is what it tried to publish while Redis was down.
 kombu's Redis transport takes a message with BRPOP and records it in ``unacked`` with
 a second command; a restart between the two keeps the pop (the append-only file has
 the job's LPUSH, then an RPOP as the last command before the restart, and no HSET of
-its delivery tag ever) and the message is gone: about one job in five restarts, seen
-before the relay reconciled. The outbox had marked it published; the relay's
+its delivery tag ever) and the message is gone: about one job in five restarts when
+nothing reconciles. The outbox had marked it published; the relay's
 reconciliation (``django_outbox.outbox.relay.reconcile``, here after ``RECONCILE_AFTER`` seconds)
 finds no worker's trace of it, sees its queue has moved past it, and publishes it
 again. The row's figure "published again" counts those.
@@ -83,7 +83,7 @@ class Restarts(threading.Thread):
             self.error = exc
 
 
-def test_r2_broker_restarts_under_the_outbox(
+def test_broker_restarts_under_the_outbox(
     start_worker, start_relay, queue, run_id, tmp_path
 ) -> None:
     started = time.monotonic()
@@ -143,7 +143,7 @@ def test_r2_broker_restarts_under_the_outbox(
             volatile.kill()
 
     row = Row(
-        scenario="R2",
+        scenario="broker restarts",
         fault="broker Redis (appendonly, fsync always) restarted: SIGKILL / SIGTERM in turn, "
         "down 1-2.5 s each, producers writing through the outbox",
         faults=restarts.done,

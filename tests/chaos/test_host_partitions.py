@@ -1,4 +1,4 @@
-"""R9: worker hosts in network namespaces of their own; the link of the host running a
+"""Worker hosts in network namespaces of their own; the link of the host running a
 job is cut mid-task for longer than the job's lease, then restored, many times.
 
 Must hold: the job finishes on another host while the first is cut off; the cut-off
@@ -9,7 +9,7 @@ off (``EXPLICIT_EXECUTION_LEASE=0``): the stale host's write lands, a duplicate 
 The network (tests/chaos/netns.py): a "services" namespace running a private Redis
 (broker and state) and a private PostgreSQL cluster, one namespace per worker host,
 one veth pair from each to the services, one from the root namespace (where the test
-publishes and reads the history through ``tests.chaos.tasks_r9.serve``). A cut
+publishes and reads the history through ``tests.chaos.tasks_hosts.serve``). A cut
 takes the services end of the host's link down: the host's sockets see silence, as on
 a real partition. Needs root (``ip netns``): CI runs as root.
 """
@@ -38,7 +38,7 @@ import redis
 
 from tests.chaos import netns
 from tests.chaos.report import Row, scaled
-from tests.chaos.tasks_r9 import CLIENT, HOST_ENV, HostJob
+from tests.chaos.tasks_hosts import CLIENT, HOST_ENV, HostJob
 from tests.support.private_postgres import PG_BIN
 from tests.support.processes import ROOT, ManagedProcess, project_env
 from tests.support.waiting import wait_for
@@ -49,7 +49,7 @@ ROUNDS = scaled(3, 20)
 pytestmark = [pytest.mark.worker, pytest.mark.timeout(scaled(240, 1800))]
 
 HOSTS = ["a", "b"]
-DB_NAME = "r9"
+DB_NAME = "chaos_hosts"
 LEASE = HostJob.visibility_timeout
 #: The cut lasts at least this long: past the lease, whatever the takeover took.
 CUT = LEASE + 2.0
@@ -99,10 +99,10 @@ class Services:
 def services() -> Iterator[Services]:
     before = netns.namespaces()
     # Not pytest's tmp_path: the postgres user must reach the cluster's directory.
-    tmp = Path(tempfile.mkdtemp(prefix="ce-r9-"))
+    tmp = Path(tempfile.mkdtemp(prefix="ce-hosts-"))
     tmp.chmod(0o755)
     net = netns.Topology.create(HOSTS)
-    env = Services(net=net, tmp=tmp, queue=f"r9-{uuid.uuid4().hex[:8]}")
+    env = Services(net=net, tmp=tmp, queue=f"hosts-{uuid.uuid4().hex[:8]}")
     try:
         env.start(
             [
@@ -145,7 +145,7 @@ def services() -> Iterator[Services]:
 
 
 class Client:
-    """``tests.chaos.tasks_r9.serve`` in the root namespace: the test's hands in
+    """``tests.chaos.tasks_hosts.serve`` in the root namespace: the test's hands in
     the services' database."""
 
     def __init__(self, env: Services) -> None:
@@ -186,7 +186,7 @@ def rounds(
         env.start(
             [
                 sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
-                "-Q", env.queue, "-c", "1", "-P", "prefork", "-n", f"r9{host}{lease}@%h",
+                "-Q", env.queue, "-c", "1", "-P", "prefork", "-n", f"host{host}{lease}@%h",
                 "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
             ],
             name=f"worker-{host}-lease{lease}",
@@ -201,7 +201,7 @@ def rounds(
     try:
         for job in range(ROUNDS):
             client.call("publish", run, job, first_guard + job)
-            started, applied = f"r9:started:{run}:{job}", f"r9:applied:{run}:{job}"
+            started, applied = f"hosts:started:{run}:{job}", f"hosts:applied:{run}:{job}"
             first = wait_for(
                 functools.partial(markers.lindex, started, 0),
                 timeout=60,
@@ -225,14 +225,14 @@ def rounds(
             finally:
                 env.net.restore(host)
             cut_for = time.monotonic() - cut_at
-            markers.set(f"r9:proceed:{run}:{job}", 1, ex=600)
+            markers.set(f"hosts:proceed:{run}:{job}", 1, ex=600)
 
             def stale_attempt(job: int = job, pid: int = int(stale_pid)) -> Any:
                 rows = client.call("check", run)["attempts"]
                 return next((r for r in rows if r[0] == job and r[1] == pid), None)
 
             stale = wait_for(stale_attempt, timeout=90, interval=0.5, what="the stale attempt")
-            pg = markers.lindex(f"r9:pg:{run}:{job}", 0)
+            pg = markers.lindex(f"hosts:pg:{run}:{job}", 0)
             cuts.append(
                 {
                     "host": host,
@@ -253,9 +253,9 @@ def rounds(
     return {"cuts": cuts, "history": history, "logs": [w.log()[-3000:] for w in workers]}
 
 
-def test_r9_host_cut_off_past_its_lease() -> None:
+def test_host_cut_off_past_its_lease() -> None:
     if os.geteuid() != 0:
-        pytest.fail("R9 needs root for ip netns (CI runs as root)")
+        pytest.fail("host partitions need root for ip netns (CI runs as root)")
     started = time.monotonic()
     run = uuid.uuid4().hex[:10]
     with services() as env:
@@ -273,7 +273,7 @@ def test_r9_host_cut_off_past_its_lease() -> None:
     fenced = sum(1 for c in cuts if c["stale outcome"] == "fenced")
     control_counts = control["history"]["counts"]
     row = Row(
-        scenario="R9",
+        scenario="host partitions",
         fault="the link of the host running a job cut past its lease (veth down), restored",
         faults=len(cuts),
         jobs=counts["jobs"],

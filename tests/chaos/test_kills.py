@@ -1,4 +1,4 @@
-"""R1: SIGKILL a pool child or a whole worker mid-task, many times, on Redis and on
+"""SIGKILL a pool child or a whole worker mid-task, many times, on Redis and on
 RabbitMQ, with the broker backstop the docs recommend (3,600 s).
 
 Must hold: 0 lost, 0 duplicate effects, every job done within its own visibility
@@ -101,7 +101,7 @@ def storm(
 
 
 @pytest.mark.parametrize("broker_name", ["redis", "rabbitmq"])
-def test_r1_kill_storm(start_worker, queue, run_id, broker_name, redis_client) -> None:
+def test_kill_storm(start_worker, queue, run_id, broker_name, redis_client) -> None:
     from django.conf import settings
 
     broker = settings.REDIS_URL if broker_name == "redis" else RABBITMQ_URL
@@ -124,7 +124,7 @@ def test_r1_kill_storm(start_worker, queue, run_id, broker_name, redis_client) -
         whole_workers=False,
     )
     row = Row(
-        scenario=f"R1 ({broker_name})",
+        scenario=f"kills ({broker_name})",
         fault="SIGKILL a pool child (75%) or a whole worker, mid-task; backstop 3,600 s",
         faults=sum(result["kills"].values()),
         jobs=counts.jobs,

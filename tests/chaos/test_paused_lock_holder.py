@@ -1,4 +1,4 @@
-"""R4: a lease-lock holder paused (SIGSTOP, a real process) past its TTL while another
+"""A lease-lock holder paused (SIGSTOP, a real process) past its TTL while another
 takes the lock over and writes, many times.
 
 Must hold: every stale write refused; the fencing tokens the row accepted only grow.
@@ -83,12 +83,12 @@ def rounds(fenced: bool, first_user: int) -> dict[str, object]:
     return {"refused": refused, "landed": landed, "tokens_grow": grows}
 
 
-def test_r4_paused_lock_holder() -> None:
+def test_paused_lock_holder() -> None:
     started = time.monotonic()
     result = rounds(True, 0)
     control = rounds(False, 100_000)
     row = Row(
-        scenario="R4",
+        scenario="paused lock holder",
         fault="a lease-lock holder stopped (SIGSTOP) past its TTL; another takes over",
         faults=ROUNDS,
         jobs=ROUNDS,

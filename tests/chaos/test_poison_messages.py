@@ -1,4 +1,4 @@
-"""R6: poison messages among healthy ones: 1% raise a permanent error, 0.2% kill their
+"""Poison messages among healthy ones: 1% raise a permanent error, 0.2% kill their
 own process (``os._exit``) every time they run.
 
 Must hold: a permanent error is dead-lettered after exactly 1 attempt; a crasher is
@@ -54,7 +54,7 @@ def run_jobs(run: str, queue: str, *, poisoned: bool) -> float:
     return len(healthy) / (time.monotonic() - started)
 
 
-def test_r6_poison(start_worker, queue, run_id) -> None:
+def test_poison(start_worker, queue, run_id) -> None:
     started = time.monotonic()
     start_worker(concurrency=2)
     # Side by side: clean, poisoned, clean again (the machine's load drifts).
@@ -102,7 +102,7 @@ def test_r6_poison(start_worker, queue, run_id) -> None:
         time.sleep(0.5)
     control_deliveries = deliveries(control_id)
     row = Row(
-        scenario="R6",
+        scenario="poison messages",
         fault="poison: 1% permanent error, 0.2% os._exit in the handler",
         faults=len(permanent) + len(crashers),
         jobs=counts.jobs,

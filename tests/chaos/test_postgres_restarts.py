@@ -1,4 +1,4 @@
-"""R8: PostgreSQL restarted (``pg_ctl -m immediate stop``, then start: a crash and its
+"""PostgreSQL restarted (``pg_ctl -m immediate stop``, then start: a crash and its
 recovery) at random intervals while jobs run: 2 restarts 3-6 s apart over 100 jobs
 short, restarts 5-40 s apart over a few minutes and 1,000 jobs full.
 
@@ -6,10 +6,10 @@ The workers' database is a private cluster of the test's own (initdb in a temp d
 own port): the effect rows, the ledger, the attempts and the dead letters all live
 there, so they crash and recover together. Must hold, from that cluster's history: 0
 effects without their ledger row and 0 ledger rows without their effect; every job done
-or dead-lettered with a reason. No negative control (the issue has none: the ledger
-commits in the effect's own transaction, and there is no switch that takes it out while
-keeping the job idempotent; R1's control already shows a job without the ledger
-applying twice).
+or dead-lettered with a reason. No negative control: the ledger commits in the
+effect's own transaction, and there is no switch that takes it out while keeping the
+job idempotent; the kill storm's control (test_kills.py) already shows a job without
+the ledger applying twice.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kombu import Connection
 
 from tests.chaos import history
 from tests.chaos.report import Row, scaled
-from tests.chaos.tasks_r8 import ChaosDbJob
+from tests.chaos.tasks_postgres import ChaosDbJob
 from tests.support.private_postgres import PrivatePostgres
 from tests.support.waiting import wait_for
 
@@ -43,7 +43,7 @@ JOBS = scaled(100, 1000)
 RESTARTS = scaled(2, 6)
 INTERVAL = (3.0, 6.0) if RESTARTS == 2 else (5.0, 40.0)  # seconds between restarts
 HOLD = 0.1  # each job runs this long before its effect: restarts land mid-transaction
-DB_NAME = "chaos_r8"
+DB_NAME = "chaos_postgres"
 
 
 class PrivateConnection:
@@ -61,7 +61,7 @@ class PrivateConnection:
 
 @pytest.fixture
 def private_pg(monkeypatch: pytest.MonkeyPatch, queue: str) -> Iterator[PrivatePostgres]:
-    pg = PrivatePostgres(DB_NAME, prefix="chaos-r8-pg-")
+    pg = PrivatePostgres(DB_NAME, prefix="chaos-postgres-")
     try:
         pg.init()
         pg.start()
@@ -111,7 +111,7 @@ def settled(run: str) -> bool:
         return False
 
 
-def test_r8_postgres_restarts(start_worker, queue, run_id, private_pg) -> None:
+def test_postgres_restarts(start_worker, queue, run_id, private_pg) -> None:
     from django.conf import settings
 
     pg = private_pg
@@ -170,7 +170,7 @@ def test_r8_postgres_restarts(start_worker, queue, run_id, private_pg) -> None:
         [f"chaos:{run_id}:%"],
     )
     row = Row(
-        scenario="R8",
+        scenario="postgres restarts",
         fault=f"PostgreSQL crashed and restarted every {INTERVAL[0]:g}-{INTERVAL[1]:g} s",
         faults=len(downtimes),
         jobs=counts.jobs,

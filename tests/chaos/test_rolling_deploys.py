@@ -1,4 +1,4 @@
-"""R11: rolling deploys under a steady stream of jobs, on Redis and on RabbitMQ.
+"""Rolling deploys under a steady stream of jobs, on Redis and on RabbitMQ.
 
 Three workers (``-c 2``) serve one queue; jobs run 1.5-6 s against a 3 s lease (only the
 heartbeat keeps most of them). Every few seconds the oldest worker gets SIGTERM (a
@@ -25,7 +25,7 @@ from kombu import Connection
 
 from tests.chaos import history
 from tests.chaos.report import Row, scaled
-from tests.chaos.tasks_r11 import DeployJob, starts_key
+from tests.chaos.tasks_deploys import DeployJob, starts_key
 from tests.conftest import RABBITMQ_URL
 from tests.support.waiting import wait_for
 
@@ -93,7 +93,7 @@ def rolling_deploys(
 
 
 @pytest.mark.parametrize("broker_name", ["redis", "rabbitmq"])
-def test_r11_rolling_deploys(start_worker, redis_client, queue, run_id, broker_name) -> None:
+def test_rolling_deploys(start_worker, redis_client, queue, run_id, broker_name) -> None:
     from django.conf import settings
 
     broker = settings.REDIS_URL if broker_name == "redis" else RABBITMQ_URL
@@ -113,7 +113,7 @@ def test_r11_rolling_deploys(start_worker, redis_client, queue, run_id, broker_n
         control_text = f"drain heartbeat off: {control['twice']} jobs started twice"
         control_failed = control["twice"] > 0
     row = Row(
-        scenario=f"R11 ({broker_name})",
+        scenario=f"rolling deploys ({broker_name})",
         fault=f"rolling deploy: SIGTERM the oldest of {WORKERS} workers every "
         f"{GAP[0]:g}-{GAP[1]:g} s, a new one started",
         faults=DEPLOYS,

@@ -1,4 +1,4 @@
-"""R3: a running task stopped (SIGSTOP) past its lease, then continued, many times.
+"""A running task stopped (SIGSTOP) past its lease, then continued, many times.
 
 Must hold: one effect per key; every stale commit fenced and counted (a fence row per
 takeover, the stale execution's attempt ``fenced``). Negative control: with the
@@ -45,7 +45,7 @@ def rounds(start_worker, redis_client, lease: str, first_order: int) -> Tally[st
             worker.stop()
 
 
-def test_r3_stopped_past_its_lease(start_worker, redis_client) -> None:
+def test_stopped_past_its_lease(start_worker, redis_client) -> None:
     started = time.monotonic()
     outcomes = rounds(start_worker, redis_client, "1", 0)
     fenced = Attempt.objects.filter(outcome=Outcome.FENCED).count()
@@ -54,7 +54,7 @@ def test_r3_stopped_past_its_lease(start_worker, redis_client) -> None:
     # stop_and_wake asserts one effect per order in every round (the ledger); what
     # differs is whose commit landed: the newer execution's, or the stale one's.
     row = Row(
-        scenario="R3",
+        scenario="stopped task",
         fault="SIGSTOP a running task past its lease, then SIGCONT",
         faults=ROUNDS,
         jobs=ROUNDS,

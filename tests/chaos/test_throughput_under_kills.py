@@ -1,4 +1,4 @@
-"""P6: throughput while a pool child is SIGKILLed every 2 s, against a clean run of the
+"""Throughput while a pool child is SIGKILLed every 2 s, against a clean run of the
 same workload on the same workers, side by side (clean, killed, clean; the machine's
 load drifts). Target: at least 0.7 of the clean run, judged at full scale. Also counted:
 0 lost, 0 duplicate effects under the kills."""
@@ -57,7 +57,7 @@ def one_run(run: str, queue: str, workers: list, *, kill: bool) -> tuple[float, 
     return JOBS / (time.monotonic() - started), kills[0]
 
 
-def test_p6_throughput_under_kills(start_worker, queue, run_id) -> None:
+def test_throughput_under_kills(start_worker, queue, run_id) -> None:
     started = time.monotonic()
     workers = [start_worker(concurrency=2) for _ in range(2)]
     clean_a, _ = one_run(run_id + "a", queue, workers, kill=False)
@@ -67,7 +67,7 @@ def test_p6_throughput_under_kills(start_worker, queue, run_id) -> None:
     counts = history.check(run_id)
     ratio = killed / ((clean_a + clean_b) / 2)
     row = Row(
-        scenario="P6",
+        scenario="throughput under kills",
         fault=f"SIGKILL a pool child every {EVERY:g} s",
         faults=kills,
         jobs=counts.jobs,
@@ -78,10 +78,10 @@ def test_p6_throughput_under_kills(start_worker, queue, run_id) -> None:
             "jobs/s under kills": f"{killed:.0f}",
             "ratio": round(ratio, 2),
         },
-        # The 0.7 target is judged at full scale, as R6's: a short run lasts seconds and
-        # meets one or two kills, each a pool child's restart, so its ratio swings by more
-        # than the margin (0.62 to 1.04 seen). Reported either way; no effect lost or
-        # doubled at any scale.
+        # The 0.7 target is judged at full scale, as the poison messages' is: a short run
+        # lasts seconds and meets one or two kills, each a pool child's restart, so its
+        # ratio swings by more than the margin (0.62 to 1.04 seen). Reported either way;
+        # no effect lost or doubled at any scale.
         holds=counts.lost == 0 and counts.duplicates == 0 and (SCALE != "full" or ratio >= 0.7),
         control="-",
         seconds=round(time.monotonic() - started, 1),

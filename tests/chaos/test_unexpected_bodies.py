@@ -1,4 +1,4 @@
-"""R10: bodies nobody expected. Hypothesis generates message bodies and headers (Celery
+"""Bodies nobody expected. Hypothesis generates message bodies and headers (Celery
 protocol 1 and 2, a wrong type in every position, missing headers, huge and deeply
 nested arguments, bytes that are not UTF-8, content types and compression headers
 that lie), and each is published raw with kombu to the queue of an ``ExplicitTask``
@@ -8,7 +8,7 @@ Must hold: every message either runs (its effect row) or becomes a dead letter w
 error says what was wrong (a ``DeadLetterReason``, a non-empty message); none
 vanishes; the worker keeps consuming (a last valid message runs, the process lives).
 No negative control: nothing here is a mechanism that could be switched off to show
-the failure (``control_failed=True`` by the issue's table).
+the failure (``control_failed=True``, and "-" in the table).
 
 How a message is accounted for: each carries a unique job number in its arguments
 (an effect row under this run says it ran) and, where its shape has a place for one,
@@ -244,8 +244,8 @@ class Sent:
 
 def materialize(shape: Shape, run: str, n: int) -> tuple[dict[str, Any], bytes, Sent]:
     """The headers and body bytes of message ``n``: a valid message of ``chaos.job``
-    for job ``n`` with task id ``r10-<run>-<n>``, then the shape's edits."""
-    task_id = f"r10-{run}-{n}"
+    for job ``n`` with task id ``bodies-<run>-<n>``, then the shape's edits."""
+    task_id = f"bodies-{run}-{n}"
     kwargs: dict[str, Any] = {"run": run, "job": n, "hold": 0.0, "poison": ""}
     headers: dict[str, Any] = {}
     body: Any
@@ -254,7 +254,7 @@ def materialize(shape: Shape, run: str, n: int) -> tuple[dict[str, Any], bytes, 
             "lang": "py", "task": TASK, "id": task_id, "shadow": None, "eta": None,
             "expires": None, "group": None, "group_index": None, "retries": 0,
             "timelimit": [None, None], "root_id": task_id, "parent_id": None,
-            "argsrepr": "()", "kwargsrepr": "{...}", "origin": "r10@chaos",
+            "argsrepr": "()", "kwargsrepr": "{...}", "origin": "bodies@chaos",
             "ignore_result": True, "stamped_headers": None, "stamps": {},
             KEY_HEADER: f"chaos:{run}:{n}", CORRELATION_HEADER: task_id,
             PUBLISHED_VIA_HEADER: "direct", SENT_AT_HEADER: time.time(),
@@ -315,7 +315,7 @@ def materialize(shape: Shape, run: str, n: int) -> tuple[dict[str, Any], bytes, 
     ident = headers.get("id") if "task" in headers else None
     if "task" not in headers and shape.raw is None and isinstance(body, dict):
         ident = body.get("id")
-    key = ident if isinstance(ident, str) and ident.startswith("r10-") else None
+    key = ident if isinstance(ident, str) and ident.startswith("bodies-") else None
     if isinstance(ident, int) and not isinstance(ident, bool) and ident >= 10**12:
         key = str(ident)  # our unique integer id: recorded as its text, if at all
     sent = Sent(
@@ -463,22 +463,22 @@ def account(run: str, sent: list[Sent], effects_after: int = 0) -> dict[str, Any
 #: The short scale (CI's) generates from this seed unless EXPLICIT_CHAOS_RUN_ID names
 #: another: a CI run must not pass or fail on the draw. The full scale draws a new seed
 #: each run (its row names it). This seed's storm holds two protocol-1 messages with a
-#: numeric id that fail in the task: their dead letters were lost until 2026-11-30
-#: (``dead_letters.id_text``), so CI replays it.
+#: numeric id that fail in the task, the case ``dead_letters.id_text`` is there for: CI
+#: replays it.
 SHORT_SEED = "1700f07593"
 
 
 @pytest.fixture
-def r10_run_id(run_id: str) -> str:
+def bodies_run_id(run_id: str) -> str:
     if SCALE == "full" or os.environ.get("EXPLICIT_CHAOS_RUN_ID"):
         return run_id
     return SHORT_SEED
 
 
-def test_r10_unexpected_bodies(
-    start_worker: Any, queue: str, r10_run_id: str, tmp_path: Path
+def test_unexpected_bodies(
+    start_worker: Any, queue: str, bodies_run_id: str, tmp_path: Path
 ) -> None:
-    run_id = r10_run_id
+    run_id = bodies_run_id
     from django.conf import settings as django_settings
 
     started = time.monotonic()
@@ -553,7 +553,7 @@ def test_r10_unexpected_bodies(
     # run, and a message whose ``job`` argument was a list has a key that is no number.
     valid_lost = valid_lost_count(run_id)
     row = Row(
-        scenario="R10",
+        scenario="unexpected bodies",
         fault="generated bodies and headers (protocol 1 and 2): wrong types everywhere, "
         "missing headers, 1-5 MB and 500-3,000-deep arguments, non-UTF-8 bytes, "
         "lying content types and compression, published raw with kombu",
@@ -588,7 +588,7 @@ def test_r10_unexpected_bodies(
     row.save()
     # Every unaccounted message and unclaimed letter in full, next to the worker's log:
     # the assertion message below is cut short.
-    (tmp_path / "r10-fate.json").write_text(
+    (tmp_path / "bodies-fate.json").write_text(
         json.dumps(
             {
                 "unknown": [(m.n, m.key, m.summary) for m in fate["unknown"]],

@@ -89,7 +89,7 @@ def test_sigterm_mid_job_runs_it_once(start_worker, redis_client, broker, drain,
         # shutdown keeps it until the pool has drained): B is never handed the job,
         # drain heartbeat or not. Measured both ways, so a change in that is seen.
         expected = "starts=1 effect=1"
-    # Rolling deploys of several workers at scale: tests/chaos/test_r11_deploys.py.
+    # Rolling deploys of several workers at scale: tests/chaos/test_rolling_deploys.py.
     rounds = ROUNDS if broker != RABBITMQ_URL else scaled(1, 6)
     outcomes = Tally(
         sigterm_mid_job(start_worker, redis_client, env, broker) for _ in range(rounds)
@@ -203,8 +203,8 @@ def deploy_cut_short(start_worker, redis_client, broker: str, how: str) -> str: 
 def test_a_deploy_that_cuts_the_drain_short_loses_nothing(
     start_worker, redis_client, broker, how
 ) -> None:
-    """One round per broker and way (each takes half a minute; R1 and R11 repeat kills
-    and deploys at scale). No negative control: nothing of ours can be switched off to
-    lose this job (its message stays unacknowledged either way); R1's control shows
-    the ledger's part."""
+    """One round per broker and way (each takes half a minute; tests/chaos/test_kills.py
+    and test_rolling_deploys.py repeat kills and deploys at scale). No negative control:
+    nothing of ours can be switched off to lose this job (its message stays
+    unacknowledged either way); the kill storm's control shows the ledger's part."""
     assert deploy_cut_short(start_worker, redis_client, broker, how) == "effect=1"

@@ -32,8 +32,9 @@ def test_a_redelivered_failure_does_not_reopen_a_resolved_letter() -> None:
 
 
 def test_another_message_with_the_same_id_gets_its_own_letter() -> None:
-    """Two different messages may carry one id (a producer reusing ids; R10 generated
-    two malformed messages with the id 300): updating one letter lost the first."""
+    """Two different messages may carry one id (a producer reusing ids; the unexpected
+    bodies chaos scenario generates malformed messages with the same id): updating one
+    letter would lose the first."""
     first = dead_letters.record(
         task_id=300, task_name="?", reason=DeadLetterReason.BAD_INPUT, raw_body="one"
     )

@@ -296,7 +296,8 @@ def test_bad_input_is_dead_lettered_on_first_delivery_and_worker_keeps_consuming
 def test_a_message_with_wrong_stamps_is_dead_lettered_and_the_worker_lives_on(start_worker, queue):
     """Celery looks stamped header names up in a dict in the worker's main process when
     it sends the request to the pool: for a request that waited for a free process, a
-    name that is a list stopped the whole worker (R10, seed 5c6ca7b2ea)."""
+    name that is a list would stop the whole worker (tests/chaos/test_unexpected_bodies.py,
+    seed 5c6ca7b2ea)."""
     Counter.objects.bulk_create([Counter(name="after"), Counter(name="busy")])
     worker = start_worker(concurrency=1, prefetch_multiplier=4)
     # The one process is busy: the stamped message, prefetched, waits for it (the pool's

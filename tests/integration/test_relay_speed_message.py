@@ -1,7 +1,7 @@
 """The relay's own message building sends what ``task.apply_async`` sent, byte for byte.
 
-The relay builds each event's Celery message itself (``relay_publish.CeleryMessages``)
-instead of calling ``task.apply_async``, for speed (docs/performance.md, P3). These
+The relay builds each event's Celery message itself (``outbox.relay.publish.CeleryMessages``)
+instead of calling ``task.apply_async``, for speed (bench/relay_throughput.py). These
 tests publish the same event both ways into one Redis queue and compare the two
 messages as a worker receives them: body, headers and properties, all but the send
 time. A Celery upgrade that changes what ``apply_async`` sends fails here.

@@ -1,5 +1,5 @@
-"""Guards against message bodies and headers nobody expected (chaos scenario R10,
-tests/chaos/test_r10_bodies.py, finds them end to end; these pin each guard alone)."""
+"""Guards against message bodies and headers nobody expected (the chaos scenario
+tests/chaos/test_unexpected_bodies.py finds them end to end; these pin each guard alone)."""
 
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def test_a_task_header_that_is_no_leased_name_goes_through_kombu(headers: Any) -
 def test_only_a_str_or_an_integer_id_names_a_dead_letter() -> None:
     from django_outbox.store.dead_letters import id_text as _id_text
 
-    assert _id_text("r10-x-1") == "r10-x-1"
+    assert _id_text("bodies-x-1") == "bodies-x-1"
     assert _id_text(10**12 + 5) == str(10**12 + 5)
     # These name no message: as text, every message with the id {} would update one
     # dead letter and the others would vanish.
