@@ -1,17 +1,19 @@
-"""P5: a versioned cache hit vs a plain django-redis ``cache.get`` of the same value.
+"""Reads per second of a versioned cache hit against a plain django-redis ``cache.get``
+of the same value.
 
 ``VersionedCache.get()`` on a hit (one GET of the ``(version, value)`` pair) vs
-``django.core.cache.cache.get()`` of the same pickled value under a plain key. Target:
-versioned/plain >= 0.9. For reference, two layouts not taken are timed too, with value
-keys named by version (``...:v7``), where the version must be read before the value:
-one EVALSHA of a script that reads both, and two GETs. The round trips per read are
-counted (responses read from Redis by this process).
+``django.core.cache.cache.get()`` of the same pickled value under a plain key. Target
+(P5 in docs/performance.md): versioned/plain >= 0.9. For reference, two layouts not
+taken are timed too, with value keys named by version (``...:v7``), where the version
+must be read before the value: one EVALSHA of a script that reads both, and two GETs.
+The round trips per read are counted (responses read from Redis by this process).
 
 Rounds of interleaved chunks (100 reads of each side in turn) against the cache of
 bench/settings.py (django-redis, Redis on 127.0.0.1:6379 db 14), 100 entities, every
 read a hit.
 
-    scripts/bench p5_cache.py [--ops 5000] [--rounds 7]
+    scripts/bench cache_hit.py [--ops 5000] [--rounds 7]
+    make bench-p5
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def main() -> None:
     tag = uuid.uuid4().hex[:6]
     profile = {"name": "Ada Lovelace", "email": "ada@example.com", "bio": "x" * 200}
     profiles = VersionedCache(
-        f"p5_profile_{tag}:{{user_id}}", source=lambda *, user_id: (profile, 7)
+        f"bench_profile_{tag}:{{user_id}}", source=lambda *, user_id: (profile, 7)
     )
     client = get_redis_connection("default")
     for i in range(ENTITIES):

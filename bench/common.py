@@ -33,10 +33,10 @@ def vacuum() -> None:
     """VACUUM ANALYZE the bench database before measuring.
 
     Every run inserts, updates and deletes thousands of rows; where autovacuum is off
-    (it is on the development machine: ``SHOW autovacuum``) or behind, the dead tuples
-    pile up across runs in the indexes the measured statements use (1.25 million in
-    the outbox table once: an empty claim took 7.4 ms instead of 0.18 ms), and a run
-    measures the previous runs' garbage rather than the code.
+    (``SHOW autovacuum``) or behind, the dead tuples pile up across runs in the indexes
+    the measured statements use (1.25 million in the outbox table made an empty claim
+    take 7.4 ms instead of 0.18 ms), and a run measures the previous runs' garbage
+    rather than the code.
     """
     from django.db import connection
 

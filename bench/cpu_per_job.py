@@ -1,4 +1,4 @@
-"""P1c: CPU time this process spends per job (the GIL held), ExplicitTask minus plain.
+"""CPU time this process spends per job (the GIL held), ExplicitTask minus a plain task.
 
 Each job runs through Celery's tracer in this process (``task.apply()``: the request,
 the tracer, our pipeline, the handler), against the real PostgreSQL and Redis. What
@@ -10,9 +10,9 @@ tasks doing the same row update, interleaved in chunks of CHUNK jobs, several ro
 - floor: ``bench.floor_update``, the statements the contract needs, sent by hand;
 - explicit: ``bench.explicit_update``, an ExplicitTask (lease, effect, ledger, attempt).
 
-Target: explicit minus plain <= 500 µs per job.
+Target (P1c in docs/performance.md): explicit minus plain <= 500 µs per job.
 
-    scripts/bench p1c_cpu.py [--jobs 2000] [--rounds 5] [--profile FILE]
+    scripts/bench cpu_per_job.py [--jobs 2000] [--rounds 5] [--profile FILE]
 
 ``--profile FILE`` writes a cProfile of the explicit jobs of one extra round (pstats).
 

@@ -1,12 +1,15 @@
-"""What P2 could reach with no Python around the statements: raw libpq, one connection.
+"""The ceiling of effect_cost.py: the ledger's statements with no Python around them,
+raw libpq on one connection, against the same transaction without a ledger row.
 
 The same one-row update in a transaction, without and with a ledger row, sent the way
 ``effect()`` sends them (BEGIN + claim in one string, the update, the last writes +
 COMMIT in one string), so each variant costs the same three round trips as the bare
 transaction. What separates them is only PostgreSQL's work for the ledger row. A ratio
-here is the ceiling for P2 on this machine: Django's and our Python can only lower it.
+here is the ceiling for effect_cost.py's ratios on the machine it runs on: Django's and
+our Python can only lower it.
 
-    scripts/bench p2_ceiling.py [--ops 3000] [--rounds 5]
+    scripts/bench effect_ceiling.py [--ops 3000] [--rounds 5]
+    make bench-p2-ceiling
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ def main() -> None:
 
         return loop
 
-    # The claim as it was shipped until 2026-11-30: claim, or read the row already
-    # there, in one statement. Kept here to show what planning it cost.
+    # The earlier claim: claim, or read the row already there, in one statement. Kept
+    # here to show what planning it cost.
     CLAIM_OR_READ = (
         f"WITH claim AS ({ledger._CLAIM_SQL}) SELECT true, NULL, NULL FROM claim "
         f"UNION ALL SELECT false, fingerprint, result_ref FROM {table} "

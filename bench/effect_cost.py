@@ -1,13 +1,15 @@
-"""P2: ``effect()`` vs a bare ``transaction.atomic()`` doing the same one-row update.
+"""The cost of ``effect()`` (operations/s) against a bare ``transaction.atomic()`` doing
+the same one-row update, and against what people write by hand.
 
-Interleaved blocks in one process on PostgreSQL. The targets: P2a, effect() /
-its own statements by hand through Django's cursor >= 0.97; P2b, effect() /
-``get_or_create`` of a processed-key row >= 2.0; P2c, a duplicate hit (key already in
-the ledger) / a first run <= 0.40. Also printed: P2b's ceiling, effect()'s statements
-in its three round trips with none of our Python, over ``get_or_create``; and
-effect/atomic.
+Interleaved blocks in one process on PostgreSQL. The targets (P2 in
+docs/performance.md): P2a, effect() / its own statements by hand through Django's
+cursor >= 0.97; P2b, effect() / ``get_or_create`` of a processed-key row >= 2.0; P2c, a
+duplicate hit (key already in the ledger) / a first run <= 0.40. Also printed: P2b's
+ceiling, effect()'s statements in its three round trips with none of our Python, over
+``get_or_create``; and effect/atomic.
 
-    .venv/bin/python bench/p2_effect.py [--ops 2000] [--rounds 5]
+    scripts/bench effect_cost.py [--ops 2000] [--rounds 5]
+    make bench-p2
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""P4: lease lock round trips vs raw redis-py, and vs redis-py's Lock.
+"""Lease lock operations per second against the same raw redis-py round trips, and
+against redis-py's Lock. The targets (P4 in docs/performance.md):
 
-- acquire + extend + release of a ``LeaseLock`` (owner token, fencing counter, three
-  Lua scripts) vs the same number of raw round trips (SET NX PX, PEXPIRE, DEL):
-  target >= 0.9;
-- acquire + release of a ``LeaseLock`` vs ``redis.lock.Lock`` acquire + release:
-  target >= 1.0.
+- P4a, acquire + extend + release of a ``LeaseLock`` (owner token, fencing counter,
+  three Lua scripts) vs the same number of raw round trips (SET NX PX, PEXPIRE, DEL):
+  >= 0.9;
+- P4b, acquire + release of a ``LeaseLock`` vs ``redis.lock.Lock`` acquire + release:
+  >= 1.0.
 
 P4a's ceiling, in the same rounds: the least a lock with a fencing token sends, by
 hand, no code of ours: three ``EVALSHA`` calls of the smallest scripts that keep it
@@ -22,7 +23,8 @@ Against the Redis at 127.0.0.1:6379 (db 14). Each round runs every side in chunk
 CHUNK operations, taking turns (the order reversed every other chunk), so a machine
 that slows down or speeds up within a round weighs on every side alike.
 
-    .venv/bin/python bench/p4_locks.py [--ops 3000] [--rounds 5]
+    scripts/bench lock_round_trips.py [--ops 3000] [--rounds 5]
+    make bench-p4
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ in a transaction for one ``op_id``. Three parts, in one run:
    (a) the same job published twice while the first is still queued (published before
    the worker starts); (b) the same job published again after the first has run.
    Reported: what the second ``apply_async`` did, and how many times the row moved.
-3. Throughput end to end (P1's set-up): jobs/s per peer, per-round ratio to the
+3. Throughput end to end (throughput.py's set-up): jobs/s per peer, per-round ratio to the
    ExplicitTask; P1b (ExplicitTask / the hand-rolled guard, target >= 1.25) and its
-   ceiling, the floor / the hand-rolled guard: the floor (``p1_throughput.py``'s) sends
+   ceiling, the floor / the hand-rolled guard: the floor (``throughput.py``'s) sends
    the ExplicitTask's statements with none of our Python, so the ExplicitTask cannot
    read much above it. The floor runs in this part only (a duplicate would fail its
    claim, which it asserts).

@@ -4,7 +4,7 @@ A prefork pool child's Redis client keeps one connection (``redis_state.OneConne
 checked with one ``poll`` before each command) instead of taking one from redis-py's
 pool on every call. This measures what that saves: CPU µs (``time.process_time``) per
 acquire + release of an execution lease, the two clients interleaved in chunks, several
-rounds, against the Redis at 127.0.0.1:6379 (db 14). Steadier than ``p1c_cpu.py``,
+rounds, against the Redis at 127.0.0.1:6379 (db 14). Steadier than ``cpu_per_job.py``,
 where the same saving is a few per cent of a job.
 
     scripts/bench redis_client.py [--jobs 5000] [--rounds 7]

@@ -1,4 +1,5 @@
-"""P3: outbox relay throughput vs kombu's own batched publish of the same messages.
+"""Outbox relay throughput (events/s) against kombu's own batched publish of the same
+messages.
 
 A backlog of N pending outbox events (an ExplicitTask with an idempotency key), written
 as ``django_outbox.outbox.events.write`` writes them (key and correlation id in the stored
@@ -7,9 +8,9 @@ LOCKED), build each Celery message (arguments bound, key rendered), publish thro
 kombu's ``Producer.batch`` pipeline, mark published, commit. The baselines publish the
 same Celery messages, built beforehand with ``app.amqp.create_task_message`` and the
 headers the relay adds: with kombu's ``Producer.batch()`` pipeline (the one the target
-is against: P3b) and with ``Producer.publish`` in a loop (one Redis round trip
-each). Same Redis, same queue, rounds interleaved; the ratio is taken per round, then
-the median. Target: relay / kombu batched >= 0.5 at batch 500.
+is against: P3b in docs/performance.md) and with ``Producer.publish`` in a loop (one
+Redis round trip each). Same Redis, same queue, rounds interleaved; the ratio is taken
+per round, then the median. Target: relay / kombu batched >= 0.5 at batch 500.
 
 Also at the largest batch size, three references with no code of ours:
 
@@ -27,7 +28,8 @@ Also at the largest batch size, three references with no code of ours:
   batched publish gives P3b's ceiling: what the relay would read if its only cost
   beyond the baseline were the statements every relay of a table sends.
 
-    ./scripts/bench p3_relay.py [--events 5000] [--rounds 3] [--batch-sizes 10,100,500]
+    scripts/bench relay_throughput.py [--events 5000] [--rounds 3] [--batch-sizes 10,100,500]
+    make bench-p3
 """
 
 from __future__ import annotations

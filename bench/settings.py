@@ -16,5 +16,5 @@ EXPLICIT_CELERY_APP = "bench.celery_app.app"
 DATABASES["default"]["CONN_MAX_AGE"] = 600  # noqa: F405
 CELERY_DB_REUSE_MAX = 1000
 # EXPLICIT_BENCH_RELAY_ROUND_TRIPS=0: the relay's statements through Django's cursor (the
-# A/B of docs/performance.md, for p3_relay.py and outbox_lag.py's relay alike).
+# A/B of docs/performance.md, for relay_throughput.py and outbox_lag.py's relay alike).
 EXPLICIT_OUTBOX_RELAY_ROUND_TRIPS = os.environ.get("EXPLICIT_BENCH_RELAY_ROUND_TRIPS", "1") != "0"

@@ -1,16 +1,21 @@
-"""P1: end-to-end throughput of an ExplicitTask vs a plain acks_late task, same update.
+"""End-to-end throughput (jobs/s) of an ExplicitTask against a plain acks_late task
+doing the same update.
 
 Both tasks do one PostgreSQL row update in a transaction; the ExplicitTask adds its
 contract (key rendered at publish and in the worker, ledger row in the effect's
 transaction, one attempt row). Same broker (Redis), same worker (prefork -c 2,
-acks_late, prefetch 4, results off), rounds interleaved in one run. Target: >= 0.90.
+acks_late, prefetch 4, results off), rounds interleaved in one run. Target (P1 in
+docs/performance.md): ExplicitTask / plain >= 0.90.
 
-    .venv/bin/python bench/p1_throughput.py [--tasks 1000] [--rounds 4] [--floor] [--by-process]
+    scripts/bench throughput.py [--tasks 1000] [--rounds 4] [--floor] [--by-process]
+    make bench-p1 | bench-p1-floor | bench-p1-processes
 
-``--by-process`` also prints, for each side, the CPU µs a job spent in each process of
-the run (this publisher, the worker's main process, its pool children, PostgreSQL,
-Redis; medians of the rounds), read from /proc: where an end-to-end job's cost lands,
-beyond the pool child that ``p1c_cpu.py`` measures.
+``--floor`` adds a third task, the contract's statements by hand with none of our
+Python (P1a: ExplicitTask / floor >= 0.95). ``--by-process`` also prints, for each
+side, the CPU µs a job spent in each process of the run (this publisher, the worker's
+main process, its pool children, PostgreSQL, Redis; medians of the rounds), read from
+/proc: where an end-to-end job's cost lands, beyond the pool child that
+``cpu_per_job.py`` measures.
 """
 
 from __future__ import annotations

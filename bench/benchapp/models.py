@@ -11,7 +11,7 @@ class Row(models.Model):
 
 
 class ProcessedKey(models.Model):
-    """The hand-rolled guard's ledger (bench/peers.py, bench/p2_effect.py P2b): one row per
+    """The hand-rolled guard's ledger (bench/peers.py, bench/effect_cost.py P2b): one row per
     processed key, written with ``get_or_create`` in the effect's transaction.
 
     Unmanaged, so that it needs no migration in the bench app: ``ensure_processed_table``

@@ -1,4 +1,4 @@
-"""The bench's row update as the peers do it (bench/peers.py, issue 13).
+"""The bench's row update as the peers do it (bench/peers.py).
 
 The same business job as ``bench.plain_update`` and ``bench.explicit_update``
 (bench/benchapp/tasks.py): one PostgreSQL row update in a transaction, for one
