@@ -121,7 +121,9 @@ def main() -> None:
             "FCALL", ours_acquire, 2, by_hand_key, by_hand_fence,
             f"{token}|0|{int(time.time() * 1000)}|{owner}", 30000,
         )  # fmt: skip
-        assert client.execute_command("FCALL", ours_extend, 1, by_hand_key, token, 30000)
+        assert client.execute_command(
+            "FCALL", ours_extend, 2, by_hand_key, by_hand_fence, token, 30000
+        )
         assert client.execute_command("FCALL", ours_release, 1, by_hand_key, token)
 
     def ours_pair() -> None:
