@@ -42,9 +42,8 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 
 from celery_explicit import job_log, metrics
 from celery_explicit.conf import settings
-from celery_explicit.execution import Execution
 from celery_explicit.idempotency import DEFERRALS_HEADER
-from celery_explicit.steps import RUN, Decision, Defer, Ending, Job
+from celery_explicit.steps import RUN, Decision, Defer, Job, Step
 
 logger = job_log.get_logger("celery_explicit.database_outage")
 
@@ -166,14 +165,11 @@ def suspected() -> bool:
     return _suspected_at is not None
 
 
-class DatabaseStep:
+class DatabaseStep(Step):
     """First, and free until an outage is seen: while one is suspected in this process,
     a job is deferred before anything runs unless the database answers the probe."""
 
     name = NAME
-
-    def __init__(self, task_name: str) -> None:
-        self.task_name = task_name
 
     def before_run(self, job: Job) -> Decision:
         if _suspected_at is None:
@@ -187,8 +183,3 @@ class DatabaseStep:
             return RUN
         delay = seen(self.task_name, cause, job.request)
         return Defer(delay, f"database unavailable ({cause})", {"cause": cause})
-
-    def after_run(
-        self, request: Any, execution: Execution | None, ending: Ending, *, entered: bool
-    ) -> None:
-        return None

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery_explicit import declarations, idempotency, job_log, metrics, redis_state
-from celery_explicit.execution import Execution
 from celery_explicit.outcomes import Outcome
 from celery_explicit.redis_scripts import Script, call
 from celery_explicit.redis_state import client, text
-from celery_explicit.steps import RUN, Decision, Drop, Ending, Job, RetryLater
+from celery_explicit.steps import RUN, Decision, Drop, Job, RetryLater, Step
+
+if TYPE_CHECKING:
+    from celery_explicit.contract import Contract
 
 logger = job_log.get_logger("celery_explicit.dedup")
 _rng = random.SystemRandom()
@@ -136,13 +138,20 @@ def claim_at_publish(
     return owner, dedup_id
 
 
-class DedupStep:
+class DedupStep(Step):
     """Delivery side: a message whose dedup id another message owns is dropped here."""
 
     name = "dedup"
 
     def __init__(self, task_name: str, window: float) -> None:
-        self.task_name, self.window = task_name, window
+        super().__init__(task_name)
+        self.window = window
+
+    @classmethod
+    def declared(cls, contract: Contract) -> DedupStep | None:
+        if contract.dedup is None:
+            return None
+        return cls(contract.task_name, contract.dedup.window)
 
     def before_run(self, job: Job) -> Decision:
         import redis
@@ -160,8 +169,3 @@ class DedupStep:
             return RUN
         metrics.dedup_dropped.labels(self.task_name, "delivery").inc()
         return Drop(Outcome.DEDUPLICATED, f"dedup id {dedup_id!r} is owned by job {owner}")
-
-    def after_run(
-        self, request: Any, execution: Execution | None, ending: Ending, *, entered: bool
-    ) -> None:
-        return None

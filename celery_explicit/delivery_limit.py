@@ -17,12 +17,15 @@ expires a day after the last delivery, which is how a poison message is remember
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery_explicit import job_log, redis_state
 from celery_explicit.errors import DeliveryLimitExceeded
 from celery_explicit.execution import Execution, delivery
-from celery_explicit.steps import RUN, DeadLetter, Decision, Ending, Job
+from celery_explicit.steps import RUN, DeadLetter, Decision, Ending, Job, Step
+
+if TYPE_CHECKING:
+    from celery_explicit.contract import Contract
 
 logger = job_log.get_logger("celery_explicit.delivery_limit")
 
@@ -44,7 +47,7 @@ def count_delivery(task_id: str, retries: int, *, redis_client: Any | None = Non
     return int(count)
 
 
-class DeliveryLimitStep:
+class DeliveryLimitStep(Step):
     """First: a message that keeps coming back is dead-lettered before anything else.
 
     Only redeliveries are counted (the broker flags them): a first delivery costs no
@@ -54,7 +57,12 @@ class DeliveryLimitStep:
     name = "delivery_limit"
 
     def __init__(self, task_name: str, max_deliveries: int) -> None:
-        self.task_name, self.max_deliveries = task_name, max_deliveries
+        super().__init__(task_name)
+        self.max_deliveries = max_deliveries
+
+    @classmethod
+    def declared(cls, contract: Contract) -> DeliveryLimitStep:
+        return cls(contract.task_name, contract.max_deliveries)
 
     def before_run(self, job: Job) -> Decision:
         import redis

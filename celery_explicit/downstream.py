@@ -21,13 +21,16 @@ import enum
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery_explicit import job_log, metrics, redis_state
 from celery_explicit.execution import Execution
 from celery_explicit.redis_scripts import SERVER_NOW_MS, Script, call, server_time, tagged
 from celery_explicit.redis_state import text
-from celery_explicit.steps import RUN, Decision, Defer, Ending, Job
+from celery_explicit.steps import RUN, Decision, Defer, Ending, Job, Step
+
+if TYPE_CHECKING:
+    from celery_explicit.contract import Contract
 
 logger = job_log.get_logger("celery_explicit.downstream")
 _rng = random.SystemRandom()
@@ -208,7 +211,7 @@ def slots_in_use(
     return int(conn.zcount(keys(downstream.name, prefix=prefix)[1], now_ms, "+inf"))
 
 
-class DownstreamStep:
+class DownstreamStep(Step):
     """Last before the handler: a slot of the downstream's limit, or defer.
 
     Its failure policy: without Redis the job runs unguarded, loudly. Only a transient
@@ -219,7 +222,15 @@ class DownstreamStep:
     name = "downstream"
 
     def __init__(self, task_name: str, downstream: Downstream, slot_ttl: float) -> None:
-        self.task_name, self.downstream, self.slot_ttl = task_name, downstream, slot_ttl
+        super().__init__(task_name)
+        self.downstream, self.slot_ttl = downstream, slot_ttl
+
+    @classmethod
+    def declared(cls, contract: Contract) -> DownstreamStep | None:
+        if contract.downstream is None:
+            return None
+        # A slot is held no longer than the execution lease it runs under.
+        return cls(contract.task_name, contract.downstream, contract.visibility_timeout)
 
     def before_run(self, job: Job) -> Decision:
         import redis

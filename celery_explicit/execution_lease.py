@@ -48,7 +48,7 @@ import os
 import random
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import Error as DatabaseError
 
@@ -64,7 +64,10 @@ from celery_explicit.redis_scripts import (
     tagged,
 )
 from celery_explicit.redis_state import text
-from celery_explicit.steps import RUN, Decision, Defer, Ending, Job, RetryLater
+from celery_explicit.steps import RUN, Decision, Defer, Ending, Job, RetryLater, Step
+
+if TYPE_CHECKING:
+    from celery_explicit.contract import Contract
 
 logger = job_log.get_logger("celery_explicit.execution_lease")
 
@@ -335,7 +338,7 @@ def live_executions(client: Any, *, prefix: str | None = None) -> list[LiveExecu
     return sorted(found, key=lambda lease: lease.expires_in)
 
 
-class ExecutionLeaseStep:
+class ExecutionLeaseStep(Step):
     """Hold the job's execution lease while the handler runs, or defer this delivery.
 
     Its failure policy: without Redis the job runs, unfenced, loudly (the lease is a
@@ -346,7 +349,12 @@ class ExecutionLeaseStep:
     name = "execution_lease"
 
     def __init__(self, task_name: str, ttl: float) -> None:
-        self.task_name, self.ttl = task_name, ttl
+        super().__init__(task_name)
+        self.ttl = ttl
+
+    @classmethod
+    def declared(cls, contract: Contract) -> ExecutionLeaseStep:
+        return cls(contract.task_name, contract.visibility_timeout)
 
     def before_run(self, job: Job) -> Decision:
         import redis

@@ -42,12 +42,15 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery_explicit import declarations, idempotency, job_log, metrics, redis_state
 from celery_explicit.execution import Execution
 from celery_explicit.redis_scripts import SERVER_NOW_MS, Script, call, tagged
-from celery_explicit.steps import RUN, Decision, Defer, Ending, Job
+from celery_explicit.steps import RUN, Decision, Defer, Ending, Job, Step
+
+if TYPE_CHECKING:
+    from celery_explicit.contract import Contract
 
 logger = job_log.get_logger("celery_explicit.ordering")
 _rng = random.SystemRandom()
@@ -360,7 +363,7 @@ def pass_turn_on(place: tuple[str, int] | None, *, task: str, job_id: str | None
         )
 
 
-class OrderingStep:
+class OrderingStep(Step):
     """Run only when every earlier job of this entity has ended; defer otherwise.
 
     The turn passes on when the job ends for good, whichever step ended it (a dead
@@ -371,7 +374,14 @@ class OrderingStep:
     name = "ordering"
 
     def __init__(self, task_name: str, gap: float, lease: float) -> None:
-        self.task_name, self.gap, self.lease = task_name, gap, lease
+        super().__init__(task_name)
+        self.gap, self.lease = gap, lease
+
+    @classmethod
+    def declared(cls, contract: Contract) -> OrderingStep | None:
+        if contract.ordering is None:
+            return None
+        return cls(contract.task_name, contract.ordering.gap, contract.visibility_timeout)
 
     def before_run(self, job: Job) -> Decision:
         import redis

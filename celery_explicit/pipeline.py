@@ -14,8 +14,18 @@ The steps run in this fixed order, each only where the task declares its mechani
 
 Then the handler runs, its error is classified (``retry_policy``), and one attempt
 row records how it ended (``records``). Whatever happened, every declared step is then
-told how the delivery ended, in reverse order. This module is the only one that acts
-on a step's decision: it re-publishes (``republish``), records and dead-letters.
+told how the delivery ended, in reverse order (``end``). This module is the only one
+that acts on a step's decision: it re-publishes (``republish``), records and
+dead-letters.
+
+Each step's ``after_run`` is called in its own ``try``, the way Dramatiq's broker
+calls each middleware's hook: an error in one (a bug, a reply it did not expect) is
+logged once, with the step's name and the job's id, and the steps before it in the
+path still give back what they took, the execution lease above all. Such an error
+does not change the job's outcome: by then the attempt is recorded, and a retry or a
+deferral published, so the job ends as it ended. What the failed step did not give
+back runs out by itself: a downstream slot and an entity's turn with the lease, a
+delivery count after its TTL.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NoReturn
@@ -70,21 +81,20 @@ logger = job_log.get_logger("celery_explicit")
 _rng = random.SystemRandom()
 
 
+#: Every kind of step, in the order they run (the module docstring says why).
+STEPS: tuple[type[Step], ...] = (
+    database_outage.DatabaseStep,
+    DeliveryLimitStep,
+    DedupStep,
+    OrderingStep,
+    ExecutionLeaseStep,
+    DownstreamStep,
+)
+
+
 def build_steps(contract: Contract) -> tuple[Step, ...]:
     """The declared steps of one task, in the order they run."""
-    name = contract.task_name
-    steps: list[Step] = [
-        database_outage.DatabaseStep(name),
-        DeliveryLimitStep(name, contract.max_deliveries),
-    ]
-    if contract.dedup is not None:
-        steps.append(DedupStep(name, contract.dedup.window))
-    if contract.ordering is not None:
-        steps.append(OrderingStep(name, contract.ordering.gap, contract.visibility_timeout))
-    steps.append(ExecutionLeaseStep(name, contract.visibility_timeout))
-    if contract.downstream is not None:
-        steps.append(DownstreamStep(name, contract.downstream, contract.visibility_timeout))
-    return tuple(steps)
+    return tuple(step for kind in STEPS if (step := kind.declared(contract)) is not None)
 
 
 @dataclass
@@ -116,13 +126,32 @@ def deliver(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise
     finally:
         ending = Ending(goes_on=goes_on, transient_failure=state.transient_failure)
-        execution = running(request)
         try:
-            for step in reversed(task.job_steps):
-                step.after_run(request, execution, ending, entered=step.name in state.entered)
+            end(task.name, task.job_steps, request, running(request), ending, state.entered)
         finally:
             job_log.reset(log_token)
             correlation.reset(correlation_token)
+
+
+def end(
+    task_name: str,
+    steps: Sequence[Step],
+    request: Any,
+    execution: Execution | None,
+    ending: Ending,
+    entered: Collection[str],
+) -> None:
+    """Tell each step how the delivery ended, the last first, each in its own ``try``:
+    one step's error is logged and never keeps another from giving back what it took."""
+    for step in reversed(steps):
+        try:
+            step.after_run(request, execution, ending, entered=step.name in entered)
+        except Exception:
+            logger.exception(
+                "%s: could not end its part of the job; the other steps still end theirs",
+                step.name,
+                extra={"task": task_name, "job_id": str(request.id or ""), "step": step.name},
+            )
 
 
 def begin(

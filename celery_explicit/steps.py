@@ -19,16 +19,24 @@ lease) or pass on what the job held (the entity's turn). A step returns its deci
 and never acts on it: re-publishing, recording and dead-lettering belong to the
 pipeline (``celery_explicit.pipeline``), which is the only module that imports them.
 A step counts its own metric and writes its own log line when it decides.
+
+A step subclasses ``Step`` and overrides only what its mechanism does: the hooks are
+no-ops here, and ``declared`` builds the step for every task (a step a task opts into
+overrides it to read its own declaration from the contract, and answers None when the
+task did not declare it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from celery_explicit.execution import Execution
 from celery_explicit.outcomes import Outcome
+
+if TYPE_CHECKING:
+    from celery_explicit.contract import Contract
 
 
 class Run:
@@ -93,12 +101,29 @@ class Ending:
     transient_failure: bool = False
 
 
-class Step(Protocol):
-    #: The mechanism's name, as in metrics and docs.
-    name: str
+class Step:
+    """A mechanism's part in running a job; each hook does nothing unless overridden."""
 
-    def before_run(self, job: Job) -> Decision: ...
+    #: The mechanism's name, as in metrics, logs and docs.
+    name: ClassVar[str]
+
+    def __init__(self, task_name: str) -> None:
+        self.task_name = task_name
+
+    @classmethod
+    def declared(cls, contract: Contract) -> Self | None:
+        """This step for the task whose contract this is; None if it declared none."""
+        return cls(contract.task_name)
+
+    def before_run(self, job: Job) -> Decision:
+        """Whether the job goes on to the next step; see the module docstring."""
+        return RUN
 
     def after_run(
         self, request: Any, execution: Execution | None, ending: Ending, *, entered: bool
-    ) -> None: ...
+    ) -> None:
+        """The delivery ended (``ending``); ``entered`` if this step had let it through.
+
+        Give back here what ``before_run`` took. An error raised here is logged by the
+        pipeline and does not keep the other steps from giving back theirs."""
+        return None
