@@ -51,28 +51,13 @@ from django.db.transaction import TransactionManagementError
 from celery_explicit import correlation, idempotency, tracing
 from celery_explicit.errors import BadInput
 from django_outbox.conf import settings
+from django_outbox.db import outbox_sql
 from django_outbox.models import OutboxEvent, OutboxStatus
 
 #: Publish options an outbox row may carry. Anything relative to the moment of the
 #: call (countdown, eta, expires) would be measured from the relay's publish instead,
 #: and a connection or producer cannot be stored: refused rather than reinterpreted.
 STORED_OPTIONS = frozenset({"queue", "routing_key", "exchange", "priority"})
-
-# pg_advisory_xact_lock(int, int) takes a pair; the first names our lock family so an
-# application's own advisory locks (one bigint, or other pairs) never collide with it.
-_ORDERING_LOCK_FAMILY = 0x0E0B  # "outbox"
-_LOCK_SQL = "SELECT pg_advisory_xact_lock(%s, hashtext(%s))"
-_TABLE = OutboxEvent._meta.db_table
-# created_at and available_at take the database's clock (their db_default).
-_INSERT_SQL = (
-    f"INSERT INTO {_TABLE} (event_id, task_name, args, kwargs, headers, options, "
-    "ordering_key, status, attempts, last_error) "
-    "VALUES (%s, %s, %s::jsonb, %s::jsonb, %s::jsonb, %s::jsonb, %s, %s, 0, '')"
-)
-# The NOTIFY rides on the insert. It is delivered at commit, and only then, wherever
-# it sits in the transaction; PostgreSQL folds identical notifications of one
-# transaction into one, so a transaction writing many events wakes the relay once.
-_NOTIFY_RETURNING = " RETURNING pg_notify(%s, '')"
 
 
 def publish_event(
@@ -206,7 +191,9 @@ def _insert_postgresql(
     with connection.cursor() as cursor:
         if ordering_key:
             # Before the insert: the lock must be held when the row takes its number.
-            cursor.execute(_LOCK_SQL, [_ORDERING_LOCK_FAMILY, ordering_key])
+            cursor.execute(
+                outbox_sql.ORDERING_LOCK, [outbox_sql.ORDERING_LOCK_FAMILY, ordering_key]
+            )
         params: list[Any] = [
             event_id,
             task_name,
@@ -215,9 +202,11 @@ def _insert_postgresql(
             OutboxStatus.PENDING.value,
         ]
         if channel:
-            cursor.execute(_INSERT_SQL + _NOTIFY_RETURNING, [*params, channel])
+            cursor.execute(
+                outbox_sql.INSERT_EVENT + outbox_sql.NOTIFY_RETURNING, [*params, channel]
+            )
         else:
-            cursor.execute(_INSERT_SQL, params)
+            cursor.execute(outbox_sql.INSERT_EVENT, params)
 
 
 def check_call(task: Task, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:  # type: ignore[type-arg]

@@ -22,7 +22,7 @@ from celery_explicit import job_log
 from celery_explicit.records import attempt_fields
 from celery_explicit.store import Statement
 from django_outbox.conf import settings
-from django_outbox.models import Attempt
+from django_outbox.db import attempts_sql
 
 logger = job_log.get_logger("django_outbox.store.attempts")
 
@@ -37,17 +37,16 @@ def insert_statement(fields: Mapping[str, Any], *, replace: bool = False) -> Sta
     the same handler; update that row instead of adding a second one.
     """
     connection = connections[settings.database]
-    table = Attempt._meta.db_table
     if replace:
         assignments = ", ".join(f"{c} = %s" for c in fields)
         return (
-            f"UPDATE {table} SET {assignments} "
-            "WHERE task_id = %s AND attempt = %s AND started_at = %s",
+            attempts_sql.REPLACE.format(assignments=assignments),
             [*_params(connection, fields), *_locator(connection, fields)],
         )
-    columns = ", ".join(fields)
-    placeholders = ", ".join(["%s"] * len(fields))
-    return (f"INSERT INTO {table} ({columns}) VALUES ({placeholders})", _params(connection, fields))
+    sql = attempts_sql.INSERT.format(
+        columns=", ".join(fields), placeholders=", ".join(["%s"] * len(fields))
+    )
+    return (sql, _params(connection, fields))
 
 
 def record_attempt(fields: Mapping[str, Any], *, replace: bool = False) -> None:

@@ -34,6 +34,7 @@ from celery_explicit.store import Effect, Statement
 from django_outbox.conf import settings
 from django_outbox.db import ledger_sql, libpq
 
+
 @contextmanager
 def effect(
     *,

@@ -12,6 +12,7 @@ from django.db.transaction import TransactionManagementError
 from django.test import override_settings
 
 from celery_explicit import IdempotencyConflict
+from django_outbox.db import ledger_sql
 from django_outbox.models import ProcessedOperation
 from django_outbox.store import ledger
 from tests.testapp.models import Counter
@@ -226,8 +227,8 @@ def test_a_row_deleted_between_the_lost_claim_and_the_read_is_claimed_again(
     # The read deletes the row (as a prune between the two statements would have) and
     # reads nothing.
     monkeypatch.setattr(
-        ledger,
-        "_EXISTING_SQL",
+        ledger_sql,
+        "EXISTING",
         f"WITH pruned AS (DELETE FROM {table} WHERE key = %s) "
         f"SELECT fingerprint, result_ref FROM {table} WHERE false",
     )

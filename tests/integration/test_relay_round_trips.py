@@ -13,10 +13,9 @@ import pytest
 from django.db import DatabaseError, connection, transaction
 from django.test import override_settings
 
-from django_outbox.db import libpq
+from django_outbox.db import libpq, relay_sql
 from django_outbox.models import OutboxEvent, OutboxStatus
 from django_outbox.outbox.events import publish_event
-from django_outbox.outbox.relay import loop as relay_module
 from django_outbox.outbox.relay.claim import CLAIM_POSTGRESQL, run_claim
 from django_outbox.outbox.relay.loop import Relay
 from tests.support.queues import queued
@@ -89,9 +88,7 @@ def test_a_failing_mark_commits_nothing_and_leaves_the_events_pending(
     queue: str, redis_client: Any, monkeypatch: pytest.MonkeyPatch, trips_used: Counter[str]
 ) -> None:
     ids = write(queue, 2)
-    monkeypatch.setattr(
-        relay_module, "_MARK_POSTGRESQL", relay_module._MARK_POSTGRESQL + " AND no_such_column"
-    )
+    monkeypatch.setattr(relay_sql, "MARK", relay_sql.MARK + " AND no_such_column")
     with pytest.raises(DatabaseError, match="no_such_column"):
         Relay().relay_batch()
     assert trips_used["commit_with"] == 1

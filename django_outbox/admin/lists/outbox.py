@@ -21,6 +21,7 @@ from django_outbox.admin import dashboard
 from django_outbox.admin import replay as admin_replay
 from django_outbox.admin.lists.read_only import ReadOnlyAdmin
 from django_outbox.conf import settings
+from django_outbox.db import outbox_sql
 from django_outbox.models import OutboxEvent, OutboxStatus
 
 __all__ = ["OutboxEventAdmin"]
@@ -98,7 +99,7 @@ class OutboxEventAdmin(ReadOnlyAdmin):
             channel = settings.outbox_notify_channel
             if done and channel and connections[alias].vendor == "postgresql":
                 with connections[alias].cursor() as cursor:
-                    cursor.execute("SELECT pg_notify(%s, '')", [channel])
+                    cursor.execute(outbox_sql.NOTIFY, [channel])
         self.message_user(
             request, f"{done} pending outbox event(s) will be published now.", messages.SUCCESS
         )

@@ -16,9 +16,8 @@ claimable; ``django_outbox.outbox.events`` makes sure rows of one key are number
 order.) A key publishes one event per batch; keys proceed in parallel; events without
 a key are not held back at all.
 
-The statements are written out whole, one per database, so what runs is what is read.
-The table name and the ``'pending'`` status are literals: a unit test checks them
-against ``OutboxEvent._meta.db_table`` and ``OutboxStatus.PENDING``.
+The statements are written out whole, one per database, so what runs is what is read
+(``django_outbox.db.relay_sql``, with the locks each takes and why it is written so).
 """
 
 from __future__ import annotations
@@ -36,7 +35,9 @@ from django.utils.dateparse import parse_datetime
 
 from django_outbox.conf import settings
 from django_outbox.db import libpq
+from django_outbox.db.relay_sql import CLAIM_POSTGRESQL, CLAIM_SQLITE
 
+# The claim's statements are importable where the claim is.
 __all__ = [
     "CLAIM_POSTGRESQL",
     "CLAIM_SQLITE",
@@ -45,64 +46,6 @@ __all__ = [
     "claim_sql",
     "run_claim",
 ]
-
-# PostgreSQL. The head-of-key test is the NOT EXISTS; the lock is the last line of the
-# CTE. The partial indexes on pending rows (id; ordering_key, id) serve both scans. The
-# claimed ids are handed to the outer SELECT as one array, read through the primary
-# key: with ``IN (SELECT id FROM claimed)`` the planner, which guesses 200 rows for a
-# CTE, hash-joined it against a scan of the whole table (33 ms for 500 events out of a
-# 20,000-event backlog, against 0.9 ms; each batch cost more the longer the backlog).
-# The id comes back as text and the creation time as seconds since the epoch: psycopg
-# builds a UUID object per row, and Django's timestamptz loader parses the text in
-# Python and sets up per result; loading ten claimed rows took 136 µs with them and
-# 18 µs with these casts (a slow hour of the development machine).
-CLAIM_POSTGRESQL = """
-WITH claimed AS MATERIALIZED (
-    SELECT event.id
-    FROM django_outbox_event AS event
-    WHERE event.status = 'pending'
-      AND event.available_at <= now()
-      AND (event.ordering_key = '' OR NOT EXISTS (
-            SELECT 1 FROM django_outbox_event AS earlier
-            WHERE earlier.ordering_key = event.ordering_key
-              AND earlier.status = 'pending'
-              AND earlier.id < event.id))
-    ORDER BY event.id
-    LIMIT %s
-    FOR UPDATE OF event SKIP LOCKED
-)
-SELECT event.id, event.event_id::text, event.task_name, event.args, event.kwargs,
-       event.headers, event.options, event.ordering_key, event.attempts,
-       extract(epoch FROM event.created_at)::float8
-FROM django_outbox_event AS event
-WHERE event.id = ANY(ARRAY(SELECT id FROM claimed))
-ORDER BY event.id
-"""
-
-# SQLite (and any other database): no MATERIALIZED, no row locks (one relay only), and
-# the database's clock as text in the format Django stores datetimes in. ``%%`` is ``%``
-# once Django substitutes the parameters.
-CLAIM_SQLITE = """
-WITH claimed AS (
-    SELECT event.id
-    FROM django_outbox_event AS event
-    WHERE event.status = 'pending'
-      AND event.available_at <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
-      AND (event.ordering_key = '' OR NOT EXISTS (
-            SELECT 1 FROM django_outbox_event AS earlier
-            WHERE earlier.ordering_key = event.ordering_key
-              AND earlier.status = 'pending'
-              AND earlier.id < event.id))
-    ORDER BY event.id
-    LIMIT %s
-)
-SELECT event.id, event.event_id, event.task_name, event.args, event.kwargs,
-       event.headers, event.options, event.ordering_key, event.attempts,
-       event.created_at
-FROM django_outbox_event AS event
-WHERE event.id IN (SELECT id FROM claimed)
-ORDER BY event.id
-"""
 
 
 def claim_sql(vendor: str) -> str:

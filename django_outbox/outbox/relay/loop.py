@@ -69,7 +69,7 @@ from celery_explicit import job_log, ordering
 from celery_explicit.errors import qualname
 from celery_explicit.retry_policy import backoff_delay
 from django_outbox.conf import settings
-from django_outbox.db import libpq
+from django_outbox.db import libpq, relay_sql
 from django_outbox.models import OutboxEvent, OutboxStatus
 from django_outbox.outbox.relay import claim
 from django_outbox.outbox.relay.broker import BrokerConnection, batch
@@ -88,26 +88,6 @@ from django_outbox.outbox.relay.wakeup import ListenWakeup, Wakeup, wakeup_for
 __all__ = ["Relay", "BatchResult", "Claimed", "Wakeup", "ListenWakeup"]
 
 logger = job_log.get_logger("django_outbox.outbox.relay.loop")
-
-# The marks of one batch (status published or deduplicated), in the batch's
-# transaction, with the batch's commit told not to wait for the WAL flush: a mark lost
-# in a server crash leaves its event pending, and it is published again (at least
-# once, as after a relay crash); the flush was the largest cost of a small batch. One
-# round trip for all of them, and for the COMMIT too where ``round_trips`` allows it:
-# a statement with parameters cannot share an execute() with another, so every value
-# is a literal (the ids are integers read from the table, the status one of ours).
-# published_at is set only when published, as the ORM update did, and to the
-# statement's time as Django's Now() does: now() is the transaction's start, before the
-# messages were sent, and the reconciler compares published_at with the time a queue's
-# oldest message was sent (django_outbox.outbox.relay.reconcile).
-_NO_FLUSH_POSTGRESQL = "SET LOCAL synchronous_commit TO OFF"
-_MARK_POSTGRESQL = f"""
-UPDATE {OutboxEvent._meta.db_table}
-SET status = '{{status}}',
-    attempts = attempts + 1,
-    published_at = {{published_at}}
-WHERE id = ANY('{{{{{{ids}}}}}}'::bigint[])
-"""
 
 
 @dataclass
@@ -381,10 +361,10 @@ class Relay:
                     **fields
                 )
             return
-        # One array of ids, not one parameter per event: the ORM's IN list of 500
-        # placeholders cost more to compile and bind than the UPDATE did to run.
-        statements = [_NO_FLUSH_POSTGRESQL] + [
-            _MARK_POSTGRESQL.format(
+        # One statement per status, every value a literal (relay_sql.MARK): the marks
+        # and the COMMIT share one round trip where round_trips allows it.
+        statements = [relay_sql.NO_FLUSH] + [
+            relay_sql.MARK.format(
                 status=OutboxStatus(status).value,
                 published_at="statement_timestamp()"
                 if status is OutboxStatus.PUBLISHED

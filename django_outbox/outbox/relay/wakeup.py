@@ -12,6 +12,7 @@ import select
 from typing import Any
 
 from celery_explicit import job_log
+from django_outbox.db import outbox_sql
 
 __all__ = ["Wakeup", "ListenWakeup", "wakeup_for"]
 
@@ -58,7 +59,7 @@ class ListenWakeup(Wakeup):
 
         try:
             listener = psycopg.connect(**self._params, autocommit=True)
-            listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+            listener.execute(sql.SQL(outbox_sql.LISTEN).format(sql.Identifier(self._channel)))
         except psycopg.Error as exc:
             logger.warning(
                 "outbox relay: cannot LISTEN on %r (%s); polling until it can",

@@ -1,0 +1,109 @@
+"""The ledger's statements, and the fence's: the SQL of an effect's transaction.
+
+``store.ledger.effect()`` claims the job's key by inserting its ledger entry first,
+reads the stored entry when the claim lost, writes the result, and before COMMIT reads
+the fence a newer execution may have written (``store.ledger.record_takeover``).
+
+Each statement is written out whole, the table names as literals
+(``tests/unit/test_db_statements.py`` checks them against the models). The
+parameters are ``%s`` placeholders and nothing else holds a ``%``: the fast path binds
+them itself as literals (``store.ledger``, ``sql % literals``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CLAIM",
+    "EXISTING",
+    "EXISTING_UNDER_ANY",
+    "FENCE",
+    "FENCE_CHECK",
+    "RESULT",
+    "STALE_MARKER",
+    "TAKEOVER",
+]
+
+# CLAIM - the job's key, claimed by inserting its ledger entry first
+# %s key, task_name, task_id, fingerprint, processed_at
+# returns one row (the key) when this transaction claimed it; no row when another
+#   transaction holds it or committed it
+# locks the key in the primary key's index until this transaction ends: a concurrent
+#   claim of the same key waits for it, then finds the row (or claims, on a rollback)
+# ON CONFLICT DO NOTHING: the insert that loses the race neither raises (which would
+# abort the PostgreSQL transaction) nor writes; RETURNING tells us whether we won. The
+# key is the primary key, so its unique index is the claim, with no second index.
+CLAIM = (
+    "INSERT INTO django_outbox_processed_operation "
+    "(key, task_name, task_id, fingerprint, result_ref, processed_at) "
+    "VALUES (%s, %s, %s, %s, '', %s) ON CONFLICT (key) DO NOTHING RETURNING key"
+)
+
+# EXISTING - the stored entry of a key, read when the claim lost
+# %s key
+# returns (fingerprint, result_ref), or no row (pruned since the claim lost)
+# locks nothing
+# A plain statement after the claim, so it takes a new snapshot and sees the row of a
+# concurrent claimant the claim waited for. On the fast path it travels with BEGIN and
+# the claim (one round trip; a first run reads a row it does not need). A CTE that
+# claimed or read in one statement cost PostgreSQL about 190 µs more a transaction, on
+# every first run (bench/effect_ceiling.py).
+EXISTING = "SELECT fingerprint, result_ref FROM django_outbox_processed_operation WHERE key = %s"
+
+# EXISTING_UNDER_ANY - the stored entry under any of a job's other keys (a renamed key
+#   template, celery_explicit.key_history); ``{placeholders}``: one ``%s`` per key
+# %s each key
+# returns (fingerprint, result_ref) of one of them, or no row
+# locks nothing
+# One statement whatever the number of keys; read only for a job that has other keys.
+EXISTING_UNDER_ANY = (
+    "SELECT fingerprint, result_ref FROM django_outbox_processed_operation "
+    "WHERE key IN ({placeholders}) LIMIT 1"
+)
+
+# RESULT - the result a later duplicate is handed, on the entry this transaction claimed
+# %s result_ref, key
+# returns nothing
+# locks the entry's row (this transaction inserted it, or holds it already)
+RESULT = "UPDATE django_outbox_processed_operation SET result_ref = %s WHERE key = %s"
+
+# FENCE - a newer execution of this job took its lease over and wrote its token
+# %s task_id, this execution's fencing token
+# returns (token) of the newer execution, or no row
+# locks nothing
+# Read in the effect's own transaction, last before COMMIT, so a stale execution that
+# wakes up anywhere before its commit is refused.
+FENCE = "SELECT token FROM django_outbox_fence WHERE task_id = %s AND token > %s"
+
+#: The error FENCE_CHECK raises starts with this, then the newer token.
+STALE_MARKER = "explicit: stale fencing token"
+
+# FENCE_CHECK - FENCE for the fast path's one-string commit, which returns no rows to
+#   read: a fence row turns into an error that aborts the transaction (COMMIT then
+#   rolls back)
+# %s task_id, this execution's fencing token
+# returns no row, or fails with "<STALE_MARKER> <newer token>" (not an integer)
+# locks nothing
+# The cast reads a column, so PostgreSQL cannot fold it into an error at plan time.
+FENCE_CHECK = (
+    f"SELECT CAST('{STALE_MARKER} ' || token AS integer) FROM django_outbox_fence "
+    "WHERE task_id = %s AND token > %s"
+)
+
+# TAKEOVER - the newer fence of a job, announced before its new execution runs
+# %s task_id, token, idempotency_key, taken_over_from, taken_over_at,
+#    holder_started_at, cause
+# returns nothing
+# locks the job's fence row until the statement's autocommit
+# Upsert to the larger token: two takeovers racing leave the newer one, and a stale
+# holder's effect reads it in its commit (FENCE). Written only on a takeover, so the
+# common path never pays for it; it keeps the execution taken over (its start, why it
+# lost its lease), which explain tells an execution that died from.
+TAKEOVER = (
+    "INSERT INTO django_outbox_fence (task_id, token, idempotency_key, taken_over_from, "
+    "taken_over_at, holder_started_at, cause) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+    "ON CONFLICT (task_id) DO UPDATE "
+    "SET token = excluded.token, idempotency_key = excluded.idempotency_key, "
+    "taken_over_from = excluded.taken_over_from, taken_over_at = excluded.taken_over_at, "
+    "holder_started_at = excluded.holder_started_at, cause = excluded.cause "
+    "WHERE django_outbox_fence.token < excluded.token"
+)
