@@ -11,7 +11,7 @@ eight whole-worker kills.
 Here one script takes the message and records it in the same step (``FETCH``): off
 the first non-empty queue key, in kombu's order (every queue's plain key, then each
 priority step's), into the ``unacked`` entry kombu would write, the index scored with
-the task's lease (``celery_explicit.lease``; the delivery time, as kombu, for a task
+the task's lease (``celery_explicit.message_lease``; the delivery time, as kombu, for a task
 without one) and the delivery's holder. A worker killed at any moment leaves the
 message in its queue or in ``unacked``, where a sweep finds it. One round trip, as the
 ``BRPOP`` was: the lease's own write on delivery goes away with it.

@@ -19,7 +19,7 @@ from typing import Any
 
 from celery import Task
 
-from celery_explicit import arguments, declarations, idempotency
+from celery_explicit import arguments, declarations, keys
 from celery_explicit import dedup as dedup_mod
 from celery_explicit import ordering as ordering_mod
 from celery_explicit import sensitive as sensitive_mod
@@ -104,7 +104,7 @@ class Contract:
     """What a task declared, normalized. ``task.contract`` holds one per task class."""
 
     task_name: str
-    idempotency_key: idempotency.KeyDeclaration
+    idempotency_key: keys.KeyDeclaration
     visibility_timeout: float
     expected_duration: float
     retry: RetryPolicy
@@ -297,18 +297,18 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
 def _refuse_sensitive_keys(contract: Contract) -> None:
     """A key is shown everywhere (log lines, message headers, Redis key names, the
     admin, ``explain``): a sensitive field may enter it only hashed."""
-    keys: list[tuple[str, idempotency.KeyDeclaration]] = [
+    declared: list[tuple[str, keys.KeyDeclaration]] = [
         ("idempotency_key", contract.idempotency_key)
     ]
     if contract.dedup is not None:
-        keys.append(("dedup_key", contract.dedup.key))
+        declared.append(("dedup_key", contract.dedup.key))
     if contract.ordering is not None:
-        keys.append(("ordering_key", contract.ordering.key))
-    for attr, key in keys:
+        declared.append(("ordering_key", contract.ordering.key))
+    for attr, key in declared:
         field = declarations.shown_in_key(key, contract.sensitive)
         if field is None:
             continue
-        hashed = f"{{{field}{idempotency.HASH_FILTER}}}"
+        hashed = f"{{{field}{keys.HASH_FILTER}}}"
         raise ContractError(
             contract.task_name,
             f"{attr} {key!r} shows the sensitive field {field!r} in the clear; keys are "

@@ -42,7 +42,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 
 from celery_explicit import job_log, metrics
 from celery_explicit.conf import settings
-from celery_explicit.idempotency import DEFERRALS_HEADER
+from celery_explicit.headers import DEFERRALS_HEADER
 from celery_explicit.steps import RUN, Decision, Defer, Job, Step
 
 logger = job_log.get_logger("celery_explicit.database_outage")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from celery_explicit import idempotency
+from celery_explicit import keys
 from celery_explicit.errors import ContractError
 
 #: Builds the error for one field: ``refuse(message, field)``.
@@ -24,7 +24,7 @@ def key_declaration(
     example: str = "'payment:{payment_id}:capture'",
     *,
     task_name: str = "",
-) -> idempotency.KeyDeclaration:
+) -> keys.KeyDeclaration:
     # Read through the MRO's __dict__: a function stored on the class would otherwise
     # come back as a bound method and take the task as its first argument.
     for klass in cls.__mro__:
@@ -43,7 +43,7 @@ def key_declaration(
 
 
 def check_key_fields(
-    key: idempotency.KeyDeclaration,
+    key: keys.KeyDeclaration,
     params: tuple[str, ...],
     takes_kwargs: bool,
     refuse: Refuse,
@@ -53,7 +53,7 @@ def check_key_fields(
         if not key.strip():
             raise refuse(f"{attr} is empty", attr)
         try:
-            fields = idempotency.template_fields(key)
+            fields = keys.template_fields(key)
         except ValueError as exc:
             raise refuse(f"{attr} {key!r}: {exc}", attr) from None
         if not fields:
@@ -64,7 +64,7 @@ def check_key_fields(
                 attr,
             )
     else:
-        fields, key_takes_kwargs = idempotency.callable_fields(key)
+        fields, key_takes_kwargs = keys.callable_fields(key)
         if key_takes_kwargs and not fields:
             return
         if not fields:
@@ -82,18 +82,18 @@ def check_key_fields(
         )
 
 
-def shown_in_key(key: idempotency.KeyDeclaration, sensitive: tuple[str, ...]) -> str | None:
+def shown_in_key(key: keys.KeyDeclaration, sensitive: tuple[str, ...]) -> str | None:
     """The first sensitive field ``key`` would show in the clear, if any: a template
     field without ``|sha256``, or a parameter of a key callable (whatever it does with
     the value, we cannot see that it hashes it)."""
     if not sensitive:
         return None
     if isinstance(key, str):
-        for root, hashed in idempotency.template_field_uses(key):
+        for root, hashed in keys.template_field_uses(key):
             if root in sensitive and not hashed:
                 return root
         return None
-    names, _takes_kwargs = idempotency.callable_fields(key)
+    names, _takes_kwargs = keys.callable_fields(key)
     return next((name for name in names if name in sensitive), None)
 
 
@@ -122,7 +122,7 @@ def key_with_duration(
     duration_attr: str,
     example: str,
     without_key: str,
-) -> tuple[idempotency.KeyDeclaration, float | None] | None:
+) -> tuple[keys.KeyDeclaration, float | None] | None:
     """A key declared with a duration beside it (``dedup_key`` + ``dedup_window``,
     ``ordering_key`` + ``ordering_gap``): None when neither is declared; the duration
     without its key is refused (``without_key`` says what to declare)."""

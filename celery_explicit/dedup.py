@@ -21,7 +21,8 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from celery_explicit import declarations, idempotency, job_log, metrics, redis_state
+from celery_explicit import declarations, job_log, keys, metrics, redis_state
+from celery_explicit.headers import REPLAY_HEADER
 from celery_explicit.outcomes import Outcome
 from celery_explicit.redis_scripts import Script, call
 from celery_explicit.redis_state import client, text
@@ -36,7 +37,7 @@ _rng = random.SystemRandom()
 
 @dataclass(frozen=True)
 class Dedup:
-    key: idempotency.KeyDeclaration
+    key: keys.KeyDeclaration
     window: float
 
 
@@ -119,7 +120,7 @@ def release(
 
 def claim_at_publish(
     task_name: str,
-    key: idempotency.KeyDeclaration,
+    key: keys.KeyDeclaration,
     given: dict[str, Any],
     task_id: str,
     *,
@@ -127,7 +128,7 @@ def claim_at_publish(
 ) -> tuple[str, str]:
     """Publish side: ``(owner, dedup_id)``; the message is dropped unless ``owner`` is
     ``task_id`` (nothing is sent; the caller gets the owner's result handle)."""
-    dedup_id = idempotency.render_key(task_name, key, given, label="dedup key")
+    dedup_id = keys.render_key(task_name, key, given, label="dedup key")
     owner = claim(task_name, dedup_id, task_id, window=window)
     if owner != task_id:
         metrics.dedup_dropped.labels(task_name, "publish").inc()
@@ -156,7 +157,7 @@ class DedupStep(Step):
     def before_run(self, job: Job) -> Decision:
         import redis
 
-        if getattr(job.request, idempotency.REPLAY_HEADER, None) is not None:
+        if getattr(job.request, REPLAY_HEADER, None) is not None:
             return RUN  # an operator's replay is deliberate
         execution = job.execution
         dedup_id = execution.dedup_id

@@ -42,7 +42,7 @@ class BreakerState(enum.StrEnum):
     HALF_OPEN = "half_open"
 
 
-class Verdict(enum.StrEnum):
+class Admission(enum.StrEnum):
     """What the downstream says to an execution that asks to enter."""
 
     ADMITTED = "admitted"
@@ -92,7 +92,7 @@ class Downstream:
 # ARGV[2] - concurrency limit
 # ARGV[3] - task id asking to enter
 # ARGV[4] - slot lease in milliseconds
-# return {verdict, state}: verdict 'admitted' or 'open' / 'probing' / 'busy' (deferred)
+# return {admission, state}: admission 'admitted' or 'open' / 'probing' / 'busy' (deferred)
 # Every time here is the server's (``opened_ms``, the slots' expiries): the worker that
 # opened the breaker or took a slot and the one comparing may disagree on the time.
 ENTER = Script(
@@ -162,8 +162,8 @@ def enter(
     slot_ttl: float,
     prefix: str | None = None,
     redis_client: Any | None = None,
-) -> tuple[Verdict, BreakerState]:
-    """(verdict, breaker state): ``ADMITTED``, or why the execution is deferred. A slot
+) -> tuple[Admission, BreakerState]:
+    """(admission, breaker state): ``ADMITTED``, or why the execution is deferred. A slot
     expires after ``slot_ttl`` seconds, so a dead worker cannot keep it."""
     conn = redis_client or redis_state.client()
     args = [
@@ -172,8 +172,8 @@ def enter(
         task_id,
         max(1, int(slot_ttl * 1000)),
     ]
-    verdict, state = call(conn, ENTER, keys(downstream.name, prefix=prefix), args)
-    return Verdict(text(verdict)), BreakerState(text(state))
+    admission, state = call(conn, ENTER, keys(downstream.name, prefix=prefix), args)
+    return Admission(text(admission)), BreakerState(text(state))
 
 
 def leave(
@@ -237,7 +237,9 @@ class DownstreamStep(Step):
 
         name = self.downstream.name
         try:
-            verdict, breaker = enter(self.downstream, job.execution.task_id, slot_ttl=self.slot_ttl)
+            admission, breaker = enter(
+                self.downstream, job.execution.task_id, slot_ttl=self.slot_ttl
+            )
         except redis.RedisError:
             logger.warning(
                 "downstream %s: limits unavailable, running unguarded",
@@ -245,13 +247,13 @@ class DownstreamStep(Step):
                 extra={"task": self.task_name},
             )
             return RUN
-        if verdict is Verdict.ADMITTED:
+        if admission is Admission.ADMITTED:
             return RUN
-        metrics.downstream_deferred.labels(name, verdict).inc()
+        metrics.downstream_deferred.labels(name, admission).inc()
         return Defer(
             _rng.uniform(0.5, 1.5) * self.downstream.defer_base,
-            f"downstream {name} {verdict} ({breaker})",
-            {"downstream": name, "verdict": verdict},
+            f"downstream {name} {admission} ({breaker})",
+            {"downstream": name, "admission": admission},
         )
 
     def after_run(

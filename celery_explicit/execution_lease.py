@@ -3,7 +3,7 @@
 A message can be running twice. On RabbitMQ the broker hands a message to another
 worker as soon as the first worker's connection drops, while its handler may still be
 running. On Redis a handler that is stopped (SIGSTOP, a debugger, a long GC pause)
-loses its visibility lease (``celery_explicit.lease``) and its message is handed out
+loses its visibility lease (``celery_explicit.message_lease``) and its message is handed out
 again; when the first one wakes up, two executions are live.
 
 So before the handler runs, the execution takes a lease on its job (the task id):

@@ -87,7 +87,7 @@ class OneTraceback(logging.Filter):
     """Keeps a record but drops its traceback when one of our lines logged that
     error's traceback already.
 
-    Added to Celery's ``celery.app.trace`` logger (``worker_steps.install``): for an
+    Added to Celery's ``celery.app.trace`` logger (``bootsteps.install``): for an
     error nobody classified Celery logs ``Task ...[id] raised unexpected: ...`` with the
     traceback (celery/app/trace.py, TraceInfo._log_error), after our attempt line
     logged it with the job's fields; the worker's log showed it twice.

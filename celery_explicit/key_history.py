@@ -37,9 +37,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from celery_explicit import idempotency, job_log, metrics, store
+from celery_explicit import job_log, keys, metrics, store
 from celery_explicit.conf import settings
 from celery_explicit.errors import BadInput
+from celery_explicit.headers import KEY_HEADER
 
 logger = job_log.get_logger("celery_explicit.key_history")
 
@@ -58,13 +59,13 @@ def published_key(task_name: str, request: Any) -> str | None:
     is the sender's mistake, not a key: refused as bad input (never trusted, never
     stored as the effect's name).
     """
-    value = getattr(request, idempotency.KEY_HEADER, None)
+    value = getattr(request, KEY_HEADER, None)
     if value is None:
         return None
-    if not isinstance(value, str) or not value or len(value) > idempotency.MAX_KEY_LENGTH:
+    if not isinstance(value, str) or not value or len(value) > keys.MAX_KEY_LENGTH:
         raise BadInput(
             task_name,
-            f"message header {idempotency.KEY_HEADER!r} is not a key: {str(value)[:60]!r}",
+            f"message header {KEY_HEADER!r} is not a key: {str(value)[:60]!r}",
         )
     return value
 
@@ -89,7 +90,7 @@ def earlier_templates(task_name: str, current: str) -> tuple[str, ...]:
 
 def other_keys(
     task_name: str,
-    declaration: idempotency.KeyDeclaration,
+    declaration: keys.KeyDeclaration,
     key: str,
     published: str | None,
     given: Mapping[str, Any],
@@ -118,7 +119,7 @@ def other_keys(
         )
     for template in earlier:
         try:
-            rendered = idempotency.render_key(task_name, template, given)
+            rendered = keys.render_key(task_name, template, given)
         except BadInput:
             continue
         if rendered != key and rendered not in names:

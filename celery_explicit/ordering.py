@@ -14,7 +14,7 @@ back at once; otherwise, when the job ahead has shown no sign of life for
 ``ordering_gap`` seconds (default: twice the visibility timeout plus the backoff cap),
 the waiting job goes ahead, logged and counted. The job holding the turn shows life by
 its ``alive`` key, set when it takes the turn for its visibility timeout and extended
-by the worker's heartbeat while its handler runs (``celery_explicit.lease``); between
+by the worker's heartbeat while its handler runs (``celery_explicit.message_lease``); between
 retries its next attempt must come within the gap. A straggler that arrives after it
 was skipped still runs: guard such writes with a version (``versioned_update``).
 
@@ -44,7 +44,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from celery_explicit import declarations, idempotency, job_log, metrics, redis_state
+from celery_explicit import declarations, job_log, keys, metrics, redis_state
 from celery_explicit.execution import Execution
 from celery_explicit.redis_scripts import SERVER_NOW_MS, Script, call, tagged
 from celery_explicit.steps import RUN, Decision, Defer, Ending, Job, Step
@@ -58,7 +58,7 @@ _rng = random.SystemRandom()
 
 @dataclass(frozen=True)
 class Ordering:
-    key: idempotency.KeyDeclaration
+    key: keys.KeyDeclaration
     #: Seconds a job waits for a missing earlier one before going ahead without it.
     gap: float
 
@@ -304,10 +304,10 @@ def turn(
     is "alive" for ``lease`` seconds, unless extended (``alive_extensions``)."""
     conn = client or redis_state.client()
     names = _keys(key)
-    keys = [names["next"], names["skipped"], names["waiting"], names["alive"]]
+    script_keys = [names["next"], names["skipped"], names["waiting"], names["alive"]]
     gap_ms, lease_ms = int(gap * 1000), int(lease * 1000)
     args = [seq, gap_ms, STATE_TTL, task_id, max(1, lease_ms)]
-    verdict, nxt = call(conn, TURN, keys, args)
+    verdict, nxt = call(conn, TURN, script_keys, args)
     return Turn(run=int(verdict) != 0, next_seq=int(nxt), skipped_ahead=int(verdict) == 2)
 
 
@@ -316,9 +316,9 @@ def done(key: str, seq: int, *, task_id: str = "", client: Any | None = None) ->
     was not its turn (a job ahead of its turn gives its number back instead)."""
     conn = client or redis_state.client()
     names = _keys(key)
-    keys = [names["next"], names["waiting"], names["skipped"], names["alive"]]
-    keys.append(names["published"])
-    return bool(call(conn, DONE, keys, [seq, STATE_TTL, task_id, IDLE_TTL]))
+    script_keys = [names["next"], names["waiting"], names["skipped"], names["alive"]]
+    script_keys.append(names["published"])
+    return bool(call(conn, DONE, script_keys, [seq, STATE_TTL, task_id, IDLE_TTL]))
 
 
 def release_alive(key: str, task_id: str, *, client: Any | None = None) -> bool:
@@ -332,7 +332,7 @@ def alive_extensions(
     running: list[tuple[str, str, float]],
 ) -> list[tuple[Script, list[Any], list[Any]]]:
     """The calls keeping ``(ordering key, task id, lease)`` turn holders alive, for the
-    worker's heartbeat pipeline (``celery_explicit.lease``)."""
+    worker's heartbeat pipeline (``celery_explicit.message_lease``)."""
     return [
         (ALIVE, [_keys(key)["alive"]], [task_id, max(1, int(lease * 1000))])
         for key, task_id, lease in running

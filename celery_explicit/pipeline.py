@@ -45,9 +45,9 @@ from django.utils import timezone
 from celery_explicit import (
     correlation,
     database_outage,
-    idempotency,
     job_log,
     key_history,
+    keys,
     metrics,
     records,
     republish,
@@ -62,6 +62,7 @@ from celery_explicit.downstream import DownstreamStep
 from celery_explicit.errors import BadInput, IdempotencyConflict, LeaseLost
 from celery_explicit.execution import Execution, running
 from celery_explicit.execution_lease import ExecutionLeaseStep
+from celery_explicit.headers import SENT_AT_HEADER, correlation_of
 from celery_explicit.ordering import OrderingStep
 from celery_explicit.outcomes import Outcome
 from celery_explicit.retry_policy import Classification
@@ -110,7 +111,7 @@ def deliver(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     goes_on = False
     # While it runs, this job's correlation id is the current one (every job its
     # handler publishes carries it) and its facts start every log line we write.
-    correlation_token = correlation.bind(idempotency.correlation_of(request))
+    correlation_token = correlation.bind(correlation_of(request))
     log_token = job_log.bind({"task": task.name, "job_id": str(request.id or "")})
     try:
         with tracing.attempt(task, request):
@@ -160,7 +161,7 @@ def begin(
     """Bind the arguments and render the key of record; ``BadInput`` if they do not fit."""
     contract: Contract = task.contract
     arguments, given = task.bind_arguments(tuple(args), dict(kwargs))
-    key = idempotency.render_key(task.name, contract.idempotency_key, given)
+    key = keys.render_key(task.name, contract.idempotency_key, given)
     # The header is what the publisher rendered; the worker renders again from the
     # arguments it is about to run with, and that one is the key of record. Where they
     # differ (a renamed template), both are the effect's names (``key_history``).
@@ -170,10 +171,10 @@ def begin(
         published = key_history.published_key(task.name, request)
         others = key_history.other_keys(task.name, contract.idempotency_key, key, published, given)
     request.idempotency_key = key
-    kept = idempotency.identity_arguments(arguments, contract.signature)
+    kept = keys.identity_arguments(arguments, contract.signature)
     # Rows written before defaults were left out carry every argument's fingerprint:
     # the same call, different only where a default was left out.
-    legacy = idempotency.fingerprint(arguments) if len(kept) != len(arguments) else None
+    legacy = keys.fingerprint(arguments) if len(kept) != len(arguments) else None
     execution = Execution(
         task_id=str(request.id or ""),
         task_name=task.name,
@@ -181,14 +182,14 @@ def begin(
         published_key=published if published is not None and published != key else "",
         other_keys=others,
         accepted_fingerprints=(legacy,) if legacy else (),
-        fingerprint=idempotency.fingerprint(kept),
+        fingerprint=keys.fingerprint(kept),
         attempt=int(request.retries or 0) + 1,
         started_at=started or timezone.now(),
         audited=not request.called_directly,
-        correlation_id=idempotency.correlation_of(request),
+        correlation_id=correlation_of(request),
     )
     if contract.dedup is not None:
-        execution.dedup_id = idempotency.render_key(
+        execution.dedup_id = keys.render_key(
             task.name, contract.dedup.key, given, label="dedup key"
         )
     if contract.sensitive:
@@ -208,7 +209,7 @@ def begin(
 def _queue_wait(request: Any, started: datetime) -> float | None:
     """Seconds the message waited to be run: from its publish (``explicit_sent_at``),
     or from its ETA when it had one (a retry's backoff is not waiting in the queue)."""
-    sent_at = getattr(request, idempotency.SENT_AT_HEADER, None)
+    sent_at = getattr(request, SENT_AT_HEADER, None)
     if not isinstance(sent_at, int | float):
         return None
     eta = request.eta
@@ -233,7 +234,7 @@ def _through_steps(
             fingerprint="",
             attempt=int(request.retries or 0) + 1,
             started_at=started,
-            correlation_id=idempotency.correlation_of(request),
+            correlation_id=correlation_of(request),
         )
         _dead_letter(task, args, kwargs, exc, stand_in, "BAD_INPUT")
         raise

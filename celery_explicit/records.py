@@ -16,9 +16,17 @@ from typing import Any
 
 from django.utils import timezone
 
-from celery_explicit import idempotency, job_log, metrics, sensitive, store
+from celery_explicit import job_log, metrics, sensitive, store
 from celery_explicit.errors import qualname
 from celery_explicit.execution import Execution, delivery
+from celery_explicit.headers import (
+    DEFERRALS_HEADER,
+    PUBLISHED_VIA_HEADER,
+    REDELIVERED_HEADER,
+    REPLAY_HEADER,
+    SENT_AT_HEADER,
+    correlation_of,
+)
 from celery_explicit.outcomes import DeadLetterReason, Outcome
 
 logger = job_log.get_logger("celery_explicit")
@@ -93,7 +101,7 @@ def fields_of(
         attempt=execution.attempt,
         # A deferred redelivery runs as a re-published copy: the header keeps the flag.
         redelivered=bool(delivery(request, "redelivered"))
-        or bool(getattr(request, idempotency.REDELIVERED_HEADER, False)),
+        or bool(getattr(request, REDELIVERED_HEADER, False)),
         worker_host=str(request.hostname or ""),
         worker_pid=os.getpid(),
         started_at=execution.started_at,
@@ -104,9 +112,9 @@ def fields_of(
         retry_delay=retry_delay,
         correlation_id=execution.correlation_id,
         external_request_id=execution.external_request_id,
-        replay_of=_int_or_none(getattr(request, idempotency.REPLAY_HEADER, None)),
-        published_via=str(getattr(request, idempotency.PUBLISHED_VIA_HEADER, None) or ""),
-        deferrals=_counts(getattr(request, idempotency.DEFERRALS_HEADER, None)),
+        replay_of=_int_or_none(getattr(request, REPLAY_HEADER, None)),
+        published_via=str(getattr(request, PUBLISHED_VIA_HEADER, None) or ""),
+        deferrals=_counts(getattr(request, DEFERRALS_HEADER, None)),
         published_key=execution.published_key,
         sent_at=_sent_at(request),
     )
@@ -231,7 +239,7 @@ def dead_letter(
         traceback=execution.scrub("".join(tb.format_exception(exc))),
         # A message past its delivery limit never ran: its deliveries are what counted.
         attempts=int(getattr(exc, "deliveries", 0) or execution.attempt),
-        correlation_id=idempotency.correlation_of(request),
+        correlation_id=correlation_of(request),
         queue=str(delivery(request, "routing_key") or ""),
         exchange=str(delivery(request, "exchange") or ""),
     )
@@ -258,7 +266,7 @@ def _counts(value: object) -> dict[str, int] | None:
 def _sent_at(request: Any) -> dt.datetime | None:
     """When the message was published (its ``explicit_sent_at`` header, epoch seconds);
     None when it carries none (published by something other than an ExplicitTask)."""
-    value = getattr(request, idempotency.SENT_AT_HEADER, None)
+    value = getattr(request, SENT_AT_HEADER, None)
     if not isinstance(value, int | float) or isinstance(value, bool):
         return None
     try:

@@ -12,8 +12,16 @@ from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_explicit import execution_lease, idempotency, job_log, ordering
+from celery_explicit import execution_lease, job_log, ordering
 from celery_explicit.execution import Execution, delivery, running
+from celery_explicit.headers import (
+    CORRELATION_HEADER,
+    DEFERRALS_HEADER,
+    KEY_HEADER,
+    PUBLISHED_VIA_HEADER,
+    REDELIVERED_HEADER,
+    REPLAY_HEADER,
+)
 
 logger = job_log.get_logger("celery_explicit")
 
@@ -27,16 +35,16 @@ def carry_headers(request: Any, headers: dict[str, Any]) -> None:
     """The running job's own headers, for its re-publish."""
     execution = running(request)
     if execution is not None:
-        headers[idempotency.KEY_HEADER] = execution.key
-        headers.setdefault(idempotency.CORRELATION_HEADER, execution.correlation_id)
-    for header in (idempotency.PUBLISHED_VIA_HEADER, idempotency.DEFERRALS_HEADER):
+        headers[KEY_HEADER] = execution.key
+        headers.setdefault(CORRELATION_HEADER, execution.correlation_id)
+    for header in (PUBLISHED_VIA_HEADER, DEFERRALS_HEADER):
         value = getattr(request, header, None)
         if value:
             headers.setdefault(header, value)
-    replay = getattr(request, idempotency.REPLAY_HEADER, None)
+    replay = getattr(request, REPLAY_HEADER, None)
     if replay is not None:
         # An operator's replay stays one: its dedup id is not a duplicate.
-        headers.setdefault(idempotency.REPLAY_HEADER, replay)
+        headers.setdefault(REPLAY_HEADER, replay)
     place = ordering.place_of(request)
     if place is not None:
         # Its place in its entity's order does not change when it runs again.
@@ -81,11 +89,11 @@ def defer(
     records them: a count in a header, not a row per deferral.
     """
     request = task.request
-    deferrals = dict(getattr(request, idempotency.DEFERRALS_HEADER, None) or {})
+    deferrals = dict(getattr(request, DEFERRALS_HEADER, None) or {})
     deferrals[by] = int(deferrals.get(by, 0)) + 1
-    headers: dict[str, Any] = {idempotency.DEFERRALS_HEADER: deferrals}
+    headers: dict[str, Any] = {DEFERRALS_HEADER: deferrals}
     if redelivered(request):
-        headers[idempotency.REDELIVERED_HEADER] = True
+        headers[REDELIVERED_HEADER] = True
     if not execution_lease.hand_back(execution):
         raise _end_without_republishing(task, "deferral")
     try:
@@ -107,7 +115,7 @@ def defer(
 def redelivered(request: Any) -> bool:
     """Did the broker redeliver this job's message, here or before a deferral?"""
     return bool(delivery(request, "redelivered")) or bool(
-        getattr(request, idempotency.REDELIVERED_HEADER, False)
+        getattr(request, REDELIVERED_HEADER, False)
     )
 
 

@@ -15,7 +15,7 @@ hands its headers there); one nested a few hundred levels deep raised RecursionE
 the pool's ``send_job`` (celery/concurrency/asynpool.py), which stopped the worker the
 same way, and it depends on how deep the stack already is when the request is sent (a
 request waiting for a pool slot is sent later, from elsewhere). A fixed bound decides
-instead: ``worker_steps.RefuseMisshapen`` refuses any message whose headers or decoded
+instead: ``bootsteps.RefuseMisshapen`` refuses any message whose headers or decoded
 body nest deeper than ``MAX_NESTING`` (``nested_deeper_than``), before Celery builds a
 request from it.
 """

@@ -30,7 +30,7 @@ A declared name that is not one of ``run()``'s parameters is refused when the cl
 is created, naming the task and the field, and so is a key template that would show
 a declared field in the clear (``{card}``): keys are logged, sent in headers, used in
 Redis key names and shown by the admin and ``explain``. ``{card|sha256}`` keys by the
-value's SHA-256 digest instead (``celery_explicit.idempotency``).
+value's SHA-256 digest instead (``celery_explicit.keys``).
 
 ``Redaction`` (built by ``of_call`` or ``for_task``) is the one place that decides
 what a call may show; every writer of evidence goes through it.

@@ -28,21 +28,28 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from celery import Task, current_task
 from celery.exceptions import Retry
 
-from celery_explicit import contract as contract_mod
 from celery_explicit import (
+    bootsteps,
     correlation,
     effects,
-    idempotency,
+    keys,
     pipeline,
     republish,
     tracing,
-    worker_steps,
 )
+from celery_explicit import contract as contract_mod
 from celery_explicit import dedup as dedup_mod
 from celery_explicit import ordering as ordering_mod
 from celery_explicit import sensitive as sensitive_mod
 from celery_explicit.errors import BadInput, ExplicitError
 from celery_explicit.execution import Execution, current, running
+from celery_explicit.headers import (
+    CORRELATION_HEADER,
+    KEY_HEADER,
+    PUBLISHED_VIA_HEADER,
+    REPLAY_HEADER,
+    SENT_AT_HEADER,
+)
 from celery_explicit.request import ExplicitRequest
 
 if TYPE_CHECKING:
@@ -65,14 +72,14 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
     Request = "celery_explicit.request:ExplicitRequest"
 
     # Declarations. None means "not declared": contract.build refuses it.
-    idempotency_key: ClassVar[idempotency.KeyDeclaration | None] = None
+    idempotency_key: ClassVar[keys.KeyDeclaration | None] = None
     visibility_timeout: ClassVar[float | None] = None
     expected_duration: ClassVar[float | None] = None
     retry_on: ClassVar[tuple[type[BaseException], ...] | None] = None
     fail_on: ClassVar[tuple[type[BaseException], ...] | None] = None
-    dedup_key: ClassVar[idempotency.KeyDeclaration | None] = None
+    dedup_key: ClassVar[keys.KeyDeclaration | None] = None
     dedup_window: ClassVar[float | None] = None
-    ordering_key: ClassVar[idempotency.KeyDeclaration | None] = None
+    ordering_key: ClassVar[keys.KeyDeclaration | None] = None
     ordering_gap: ClassVar[float | None] = None
     unclassified: ClassVar[str] = "permanent"
     sensitive: ClassVar[tuple[str, ...]] = ()
@@ -115,7 +122,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
     @classmethod
     def on_bound(cls, app: Any) -> None:
         # Our consumer bootsteps (leases, undecodable bodies), once per app.
-        worker_steps.install(app)
+        bootsteps.install(app)
         super().on_bound(app)
 
     # --- publishing ---------------------------------------------------------------
@@ -145,24 +152,20 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             # and its dedup claim (same task id); nothing is checked again.
             republish.carry_headers(self.request, headers)
         else:
-            headers.setdefault(idempotency.PUBLISHED_VIA_HEADER, "direct")
+            headers.setdefault(PUBLISHED_VIA_HEADER, "direct")
             _arguments, given = self.bind_arguments(tuple(args or ()), dict(kwargs or {}))
-            headers[idempotency.KEY_HEADER] = idempotency.render_key(
-                self.name, self.contract.idempotency_key, given
-            )
+            headers[KEY_HEADER] = keys.render_key(self.name, self.contract.idempotency_key, given)
             ordering = self.contract.ordering
             if ordering is not None:
                 # Rendered before anything is claimed: bad input claims nothing.
-                order_key = idempotency.render_key(
-                    self.name, ordering.key, given, label="ordering key"
-                )
+                order_key = keys.render_key(self.name, ordering.key, given, label="ordering key")
                 running_place = ordering_mod.place_of(self.request)
                 if running_place is not None and task_id and task_id == self.request.id:
                     # The handler's own self.retry(): the same job keeps its place.
                     order_key = None
                     headers.update(ordering_mod.place_headers(running_place))
             dedup = self.contract.dedup
-            if dedup is not None and idempotency.REPLAY_HEADER not in headers:
+            if dedup is not None and REPLAY_HEADER not in headers:
                 task_id = task_id or str(uuid.uuid4())
                 owner, dedup_id = dedup_mod.claim_at_publish(
                     self.name, dedup.key, given, task_id, window=dedup.window
@@ -172,7 +175,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 dedup_claim = (dedup_id, task_id)
             # Born here, at the first publish, unless the caller's context (a web
             # request, the running job) has one.
-            headers.setdefault(idempotency.CORRELATION_HEADER, correlation.for_publish())
+            headers.setdefault(CORRELATION_HEADER, correlation.for_publish())
         if self.contract.sensitive:
             # What Celery logs and sends in events instead of the arguments.
             shown_args, shown_kwargs = sensitive_mod.redact(
@@ -181,7 +184,7 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             options.setdefault("argsrepr", repr(tuple(shown_args)))
             options.setdefault("kwargsrepr", repr(shown_kwargs))
         sent_at = time.time()
-        headers[idempotency.SENT_AT_HEADER] = sent_at
+        headers[SENT_AT_HEADER] = sent_at
         # AMQP's own timestamp property (whole seconds): RabbitMQ's management API reports
         # it for a queue's head message, the only way to read its age there.
         options.setdefault("timestamp", int(sent_at))

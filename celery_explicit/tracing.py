@@ -49,8 +49,8 @@ from typing import Any
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_explicit import idempotency
 from celery_explicit.execution import running
+from celery_explicit.headers import KEY_HEADER
 
 try:
     from opentelemetry import propagate, trace
@@ -80,7 +80,7 @@ MESSAGING_SYSTEM = "messaging.system"
 MESSAGE_ID = "messaging.message.id"
 TASK = "celery_explicit.task"
 JOB_ID = "celery_explicit.job_id"
-IDEMPOTENCY_KEY = "celery_explicit.idempotency_key"
+IDEMPOTENCY_KEY = "celery_explicit.keys_key"
 ATTEMPT = "celery_explicit.attempt"
 #: How the attempt ended, as its attempt row says (``applied``, ``already_applied``...),
 #: where the execution knows it.
@@ -153,7 +153,7 @@ def publish(
 def _publish(
     tracer: Any, task_name: str, task_id: str, headers: MutableMapping[str, Any]
 ) -> Iterator[str]:
-    attributes = _job_attributes(task_name, task_id, headers.get(idempotency.KEY_HEADER))
+    attributes = _job_attributes(task_name, task_id, headers.get(KEY_HEADER))
     with _span(tracer, f"publish {task_name}", trace.SpanKind.PRODUCER, attributes):
         _inject(headers)
         yield task_id
@@ -201,7 +201,7 @@ def _relay_publish(
     tracer: Any, task_name: str, event_id: str, stored_headers: Mapping[str, Any]
 ) -> Iterator[Mapping[str, Any]]:
     parent = _extract(stored_headers, "outbox row headers")
-    attributes = _job_attributes(task_name, event_id, stored_headers.get(idempotency.KEY_HEADER))
+    attributes = _job_attributes(task_name, event_id, stored_headers.get(KEY_HEADER))
     headers = dict(stored_headers)
     name = f"relay publish {task_name}"
     with _span(tracer, name, trace.SpanKind.PRODUCER, attributes, context=parent):
@@ -229,7 +229,7 @@ def _attempt(tracer: Any, task: Any, request: Any) -> Iterator[None]:
     if not trace.get_current_span().get_span_context().is_valid:
         parent = _extract(_trace_headers_of(request), "message headers")
     attributes = _job_attributes(
-        task.name, str(request.id or ""), getattr(request, idempotency.KEY_HEADER, None)
+        task.name, str(request.id or ""), getattr(request, KEY_HEADER, None)
     )
     attributes[ATTEMPT] = int(request.retries or 0) + 1
     with _span(tracer, f"attempt {task.name}", trace.SpanKind.CONSUMER, attributes, parent) as span:

@@ -7,7 +7,7 @@ compares them): the ranges are what the matrix (``noxfile.py``, docs/compatibili
 passed, nothing wider.
 
 A worker refuses to start on a Celery or kombu outside ``TESTED``
-(``celery_explicit.worker_steps``): our bootsteps wrap Celery internals
+(``celery_explicit.bootsteps``): our bootsteps wrap Celery internals
 (``Consumer.on_decode_error``, ``create_task_handler``, ``worker.state``) that a
 minor release may rename; an untested pair fails in production, not at start-up.
 ``EXPLICIT_ALLOW_UNTESTED_VERSIONS`` overrides it, and ``manage.py check`` says so

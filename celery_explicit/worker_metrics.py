@@ -15,7 +15,7 @@ django-prometheus, and the OpenTelemetry multiprocess extension) expect
 - ``worker_ready`` (the main process, the pool forked): an HTTP server thread on
   ``EXPLICIT_WORKER_METRICS_PORT`` serves the merged files (``serve``, below).
 - a pool child that exited, as the pool's parent sees it (``on_child_exit``, called
-  from ``celery_explicit.worker_steps``): ``archive_dead`` folds its files into one
+  from ``celery_explicit.bootsteps``): ``archive_dead`` folds its files into one
   archive file per kind, so counters never go back and the directory never grows
   with the children ``max_tasks_per_child`` replaces.
 

@@ -34,7 +34,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from celery_explicit import idempotency
+from celery_explicit.headers import SENT_AT_HEADER
 from django_outbox.conf import settings
 
 
@@ -126,7 +126,7 @@ def _redis_sent_at(raw: bytes | None) -> tuple[float | None, str]:
         return None, "-"
     try:
         headers = json.loads(raw).get("headers") or {}
-        return float(headers[idempotency.SENT_AT_HEADER]), ""
+        return float(headers[SENT_AT_HEADER]), ""
     except (ValueError, KeyError, TypeError, AttributeError):
         return None, "unknown (not sent by an ExplicitTask)"
 

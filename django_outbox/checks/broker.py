@@ -36,7 +36,7 @@ __all__ = [
 
 # kombu's Redis transport defaults (kombu/transport/redis.py): the backstop
 # (Channel.visibility_timeout), and the restore sweep every 10 s scanning on every 10th
-# (unacked_restore_interval, unacked_restore_throttle; celery_explicit.lease).
+# (unacked_restore_interval, unacked_restore_throttle; celery_explicit.message_lease).
 REDIS_DEFAULT_VISIBILITY_TIMEOUT = 3600.0
 REDIS_DEFAULT_SWEEP = (10.0, 10.0)
 

@@ -77,7 +77,7 @@ def check_versions(
     """W005: Celery or kombu outside the tested ranges (``celery_explicit.versions``).
 
     A warning, not an error: the worker refuses to start by itself
-    (``worker_steps.refuse_untested_versions``); with the override set, this is where
+    (``bootsteps.refuse_untested_versions``); with the override set, this is where
     the override stays visible."""
     line = versions.untested_line(versions.installed())
     if line is None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from django.core import checks
 
-from celery_explicit import worker_steps
+from celery_explicit import bootsteps
 from django_outbox.conf import settings
 
 __all__ = ["Check", "explicit_tasks", "loaded_tasks", "reads_settings"]
@@ -46,7 +46,7 @@ def loaded_tasks(app: Any) -> list[Any]:
     importing each installed app's tasks module is what its Django autodiscovery
     does.)
     """
-    worker_steps.import_tasks(app)  # each module once: a refused one is not run again
+    bootsteps.import_tasks(app)  # each module once: a refused one is not run again
     return explicit_tasks(app)
 
 

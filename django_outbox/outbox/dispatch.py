@@ -37,8 +37,9 @@ from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 from prometheus_client import Counter
 
-from celery_explicit import correlation, idempotency, job_log
+from celery_explicit import correlation, job_log
 from celery_explicit.errors import BadInput, qualname
+from celery_explicit.headers import CORRELATION_HEADER, PUBLISHED_VIA_HEADER
 from django_outbox.conf import settings
 from django_outbox.outbox import events
 
@@ -113,7 +114,7 @@ def dispatch(
     # Taken now, in the caller's context: the callback runs at commit, where the
     # request that caused it may no longer be current.
     headers = dict(publish_options.get("headers") or {})
-    headers.setdefault(idempotency.CORRELATION_HEADER, correlation.for_publish())
+    headers.setdefault(CORRELATION_HEADER, correlation.for_publish())
     publish_options["headers"] = headers
     task_id = str(uuid.uuid4())
     alias = using or settings.database
@@ -157,7 +158,7 @@ def dispatch(
 
 def _after_commit(options: dict[str, Any]) -> dict[str, Any]:
     """The publish options of an on_commit dispatch, the path named in the headers."""
-    headers = {idempotency.PUBLISHED_VIA_HEADER: "on_commit", **(options.get("headers") or {})}
+    headers = {PUBLISHED_VIA_HEADER: "on_commit", **(options.get("headers") or {})}
     return {**options, "headers": headers}
 
 

@@ -48,8 +48,9 @@ from celery import Task
 from django.db import connections
 from django.db.transaction import TransactionManagementError
 
-from celery_explicit import correlation, idempotency, tracing
+from celery_explicit import correlation, keys, tracing
 from celery_explicit.errors import BadInput
+from celery_explicit.headers import CORRELATION_HEADER, KEY_HEADER
 from django_outbox.conf import settings
 from django_outbox.db import outbox_sql
 from django_outbox.models import OutboxEvent, OutboxStatus
@@ -136,10 +137,10 @@ def write(
         )
     all_headers = dict(headers or {})
     if idempotency_key:
-        all_headers[idempotency.KEY_HEADER] = idempotency_key
+        all_headers[KEY_HEADER] = idempotency_key
     correlation = _correlation()
     if correlation:
-        all_headers.setdefault(idempotency.CORRELATION_HEADER, correlation)
+        all_headers.setdefault(CORRELATION_HEADER, correlation)
     stored_args = list(args)
     stored_kwargs = dict(kwargs)
     for field, value in (
@@ -220,7 +221,7 @@ def check_call(task: Task, args: Sequence[Any], kwargs: Mapping[str, Any]) -> st
 
     if isinstance(task, ExplicitTask):
         _arguments, given = task.bind_arguments(tuple(args), dict(kwargs))
-        return idempotency.render_key(task.name, task.contract.idempotency_key, given)
+        return keys.render_key(task.name, task.contract.idempotency_key, given)
     if getattr(task, "typing", True):
         try:
             inspect.signature(task.run).bind(*args, **kwargs)

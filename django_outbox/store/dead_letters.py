@@ -18,7 +18,7 @@ from django.db.models import Min
 from django.utils import timezone
 
 from celery_explicit import sensitive
-from celery_explicit.idempotency import KEY_HEADER, REPLAY_HEADER, SENT_AT_HEADER
+from celery_explicit.headers import KEY_HEADER, REPLAY_HEADER, SENT_AT_HEADER
 from django_outbox.conf import settings
 from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, DeadLetterStatus
 

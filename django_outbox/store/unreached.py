@@ -15,7 +15,7 @@ from django.db import DatabaseError
 
 from celery_explicit import job_log, metrics
 from celery_explicit.errors import qualname
-from celery_explicit.idempotency import CORRELATION_HEADER, KEY_HEADER
+from celery_explicit.headers import CORRELATION_HEADER, KEY_HEADER
 from celery_explicit.request import nested_deeper_than
 from django_outbox.models import DeadLetterReason
 from django_outbox.store import dead_letters

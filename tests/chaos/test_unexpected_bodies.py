@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from kombu import Connection, Producer
 
-from celery_explicit.idempotency import (
+from celery_explicit.headers import (
     CORRELATION_HEADER,
     DEFERRALS_HEADER,
     KEY_HEADER,

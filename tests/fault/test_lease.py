@@ -16,7 +16,7 @@ import pytest
 from django.core.management import call_command
 
 from celery_explicit.execution_lease import live_executions
-from celery_explicit.lease import live_leases, record_key
+from celery_explicit.message_lease import live_leases, record_key
 from django_outbox.models import Attempt, Outcome
 from tests.support.waiting import wait_for
 from tests.support.workers import Worker

@@ -97,7 +97,7 @@ def test_each_queue_shows_its_depth_and_the_age_of_its_oldest_message(
     import json
     import time
 
-    from celery_explicit.idempotency import SENT_AT_HEADER
+    from celery_explicit.headers import SENT_AT_HEADER
     from tests.celery_app import app
     from tests.testapp.tasks import Increment
 

@@ -18,7 +18,7 @@ import pytest
 import redis
 from django.core.management import call_command
 
-from celery_explicit import lease, redis_state
+from celery_explicit import message_lease, redis_state
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def records(redis_client: redis.Redis) -> Iterator[dict[str, Any]]:
     from tests.celery_app import app
 
     with app.connection_for_read() as conn:
-        index = lease.unacked_index_key(conn.default_channel)
+        index = message_lease.unacked_index_key(conn.default_channel)
     prefix = redis_state.prefix()
     held, done, running = (f"{name}-{uuid.uuid4()}" for name in ("held", "done", "running"))
     tags = {held: f"tag-{uuid.uuid4()}", done: f"tag-{uuid.uuid4()}"}

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from celery_explicit.lease import live_leases
+from celery_explicit.message_lease import live_leases
 from celery_explicit.redis_scripts import server_time
 
 LEASE_MS = 2000

@@ -19,7 +19,7 @@ import pytest
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from celery_explicit.idempotency import SENT_AT_HEADER
+from celery_explicit.headers import SENT_AT_HEADER
 from django_outbox.models import DeadLetter, DeadLetterReason, DeadLetterStatus, OutboxEvent
 from tests.support.waiting import wait_for
 

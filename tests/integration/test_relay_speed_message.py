@@ -20,7 +20,7 @@ import pytest
 import redis
 from celery.signals import after_task_publish, before_task_publish
 
-from celery_explicit import idempotency
+from celery_explicit.headers import PUBLISHED_VIA_HEADER, SENT_AT_HEADER
 from django_outbox.models import OutboxStatus
 from django_outbox.outbox.relay.claim import Claimed
 from django_outbox.outbox.relay.publish import CeleryMessages, _Plan, saferepr
@@ -58,7 +58,7 @@ def raw_messages(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
 def comparable(envelope: dict[str, Any]) -> dict[str, Any]:
     """All of a message but the moment it was sent (and kombu's own delivery tag)."""
     headers = dict(envelope["headers"])
-    sent_at = headers.pop(idempotency.SENT_AT_HEADER, None)
+    sent_at = headers.pop(SENT_AT_HEADER, None)
     properties = dict(envelope["properties"])
     properties.pop("delivery_tag")
     timestamp = properties.pop("timestamp", None)
@@ -91,7 +91,7 @@ def both_ways(event: Claimed, producer: Any, client: redis.Redis, queue: str) ->
     messages = CeleryMessages(app, producer)
     plan = messages.plan(task)
     assert plan is not None, "this task takes the relay's own path"
-    headers = {idempotency.PUBLISHED_VIA_HEADER: "outbox", **event.headers}
+    headers = {PUBLISHED_VIA_HEADER: "outbox", **event.headers}
     messages.send(
         plan, event.event_id, tuple(event.args), event.kwargs, dict(headers), event.options
     )

@@ -55,7 +55,7 @@ def test_a_breaker_opened_on_a_host_behind_stays_open(redis_client, host_behind)
     host_behind.restore()
     # On the true host's clock the cool-down ended an hour ago; on the server's it began.
     verdict, _state = downstream.enter(ds, "t2", slot_ttl=5.0, redis_client=redis_client)
-    assert verdict == downstream.Verdict.OPEN
+    assert verdict == downstream.Admission.OPEN
     assert downstream.slots_in_use(ds, redis_client=redis_client) == 0
 
 

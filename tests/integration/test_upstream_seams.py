@@ -19,9 +19,9 @@ from celery.worker.consumer.consumer import Consumer
 from django.conf import settings
 from kombu import Connection, Queue
 
-from celery_explicit import worker_steps
+from celery_explicit import bootsteps
 from celery_explicit.contract import celery_decorator_keys
-from celery_explicit.lease import LeaseKeeper, unacked_index_key
+from celery_explicit.message_lease import LeaseKeeper, unacked_index_key
 
 
 def _code_names(code: types.CodeType) -> Iterator[str]:
@@ -33,7 +33,7 @@ def _code_names(code: types.CodeType) -> Iterator[str]:
 
 
 def test_the_consumer_still_calls_on_decode_error_for_a_body_it_cannot_decode() -> None:
-    """worker_steps.RecordUndecodable wraps ``Consumer.on_decode_error``: it must exist
+    """bootsteps.RecordUndecodable wraps ``Consumer.on_decode_error``: it must exist
     and be what the task handler calls when a body does not decode."""
     assert callable(Consumer.on_decode_error)
     assert "on_decode_error" in set(_code_names(Consumer.create_task_handler.__code__))
@@ -69,13 +69,13 @@ def test_celery_decorator_keys_are_read_off_celery_itself() -> None:
 def test_our_consumer_steps_are_added_once_per_app() -> None:
     app = Celery(f"seam-{uuid.uuid4().hex[:6]}", set_as_current=False)
     before = set(app.steps["consumer"])
-    worker_steps.install(app)
-    worker_steps.install(app)
+    bootsteps.install(app)
+    bootsteps.install(app)
     added = set(app.steps["consumer"]) - before
     assert added == {
-        worker_steps.RecordUndecodable,
-        worker_steps.RefuseMisshapen,
-        worker_steps.ArchiveDeadChildMetrics,
+        bootsteps.RecordUndecodable,
+        bootsteps.RefuseMisshapen,
+        bootsteps.ArchiveDeadChildMetrics,
         LeaseKeeper,
     }
 
@@ -86,7 +86,7 @@ def test_kombu_keeps_unacked_messages_in_the_index_the_keeper_moves(
 ) -> None:
     """kombu's Redis channel scores each unacked message in a sorted set named by
     ``unacked_index_key`` under its ``global_keyprefix``, by delivery time, and reads
-    connections from ``pool``: what ``celery_explicit.lease`` addresses."""
+    connections from ``pool``: what ``celery_explicit.message_lease`` addresses."""
     suffix = uuid.uuid4().hex[:8]
     options = {
         "unacked_index_key": f"explicit-test:index:{suffix}",

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from celery.exceptions import InvalidTaskError
 
-from celery_explicit.lease import _append_with_lease
+from celery_explicit.bootsteps import RefuseMisshapen, _too_deep
+from celery_explicit.message_lease import _append_with_lease
 from celery_explicit.request import MAX_NESTING, _wrong_embed, nested_deeper_than
-from celery_explicit.worker_steps import RefuseMisshapen, _too_deep
 
 
 def nest(depth: int, leaf: Any = 0, *, kind: type = list) -> Any:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from celery_explicit import BadInput
-from celery_explicit.idempotency import fingerprint, render_key, template_fields
+from celery_explicit.keys import fingerprint, render_key, template_fields
 
 
 def test_template_fields_take_the_root_name() -> None:
@@ -73,7 +73,7 @@ def test_dedup_keys_are_named_as_such_in_errors() -> None:
 def test_a_default_does_not_change_the_identity_fingerprint() -> None:
     import inspect
 
-    from celery_explicit.idempotency import fingerprint, identity_fingerprint
+    from celery_explicit.keys import fingerprint, identity_fingerprint
 
     def before(ref: str) -> None: ...
     def after(ref: str, currency: str = "EUR") -> None: ...

@@ -9,6 +9,7 @@ import pytest
 
 from celery_explicit import Downstream, ExplicitError, ExplicitTask, redis_scripts, store
 from celery_explicit.conf import settings
+from celery_explicit.headers import REDELIVERED_HEADER
 
 
 class GatewayTimeout(Exception):
@@ -124,7 +125,7 @@ def test_a_deferred_redelivery_is_still_recorded_as_one() -> None:
     import datetime as dt
     from types import SimpleNamespace
 
-    from celery_explicit import idempotency, records, republish
+    from celery_explicit import records, republish
     from celery_explicit.execution import Execution
     from celery_explicit.outcomes import Outcome
 
@@ -139,6 +140,6 @@ def test_a_deferred_redelivery_is_still_recorded_as_one() -> None:
     )
     copy = SimpleNamespace(delivery_info={"redelivered": False}, hostname="w", retries=0)
     assert not records.fields_of(execution, copy, Outcome.APPLIED)["redelivered"]
-    setattr(copy, idempotency.REDELIVERED_HEADER, True)
+    setattr(copy, REDELIVERED_HEADER, True)
     assert republish.redelivered(copy)
     assert records.fields_of(execution, copy, Outcome.APPLIED)["redelivered"]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_explicit import execution_lease
-from celery_explicit.lease import child_is_stopped
+from celery_explicit.message_lease import child_is_stopped
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from celery_explicit import ExplicitTask, idempotency, sensitive
+from celery_explicit import ExplicitTask, keys, sensitive
 from celery_explicit.errors import ContractError
 
 
@@ -63,16 +63,16 @@ def test_a_hashed_sensitive_field_is_allowed_in_every_key_kind() -> None:
         (contract.dedup.key, f"d:{digest}"),
         (contract.ordering.key, f"o:{digest}"),
     ):
-        assert idempotency.render_key(task.name, key, given) == expected
+        assert keys.render_key(task.name, key, given) == expected
 
 
 def test_the_sha256_filter_renders_a_full_digest_of_the_value_or_its_attribute() -> None:
-    assert idempotency.render_key("t", "{n|sha256}", {"n": 42}) == hashlib.sha256(b"42").hexdigest()
-    assert idempotency.render_key("t", "{o[k]|sha256}:{p}", {"o": {"k": "v"}, "p": 1}) == (
+    assert keys.render_key("t", "{n|sha256}", {"n": 42}) == hashlib.sha256(b"42").hexdigest()
+    assert keys.render_key("t", "{o[k]|sha256}:{p}", {"o": {"k": "v"}, "p": 1}) == (
         hashlib.sha256(b"v").hexdigest() + ":1"
     )
-    assert idempotency.template_field_uses("a:{x|sha256}:{y.z}") == [("x", True), ("y", False)]
-    assert idempotency.template_fields("a:{x|sha256}") == ["x"]
+    assert keys.template_field_uses("a:{x|sha256}:{y.z}") == [("x", True), ("y", False)]
+    assert keys.template_fields("a:{x|sha256}") == ["x"]
 
 
 def test_an_unknown_filter_is_refused() -> None:

@@ -12,7 +12,7 @@ import pytest
 from django.test import override_settings
 
 from celery_explicit import __main__ as cli
-from celery_explicit import versions, worker_steps
+from celery_explicit import bootsteps, versions
 from django_outbox import checks
 
 UNTESTED = {"celery": "5.8.0", "kombu": "5.8.1"}
@@ -50,7 +50,7 @@ class _App:
 
 def _worker_of_an_installed_app() -> Any:
     app = _App()
-    worker_steps._installed.add(app)
+    bootsteps._installed.add(app)
     return SimpleNamespace(app=app)  # holds the app while the test runs
 
 
@@ -59,7 +59,7 @@ def test_worker_refuses_untested_versions_in_one_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        worker_steps.refuse_untested_versions(sender=_worker_of_an_installed_app())
+        bootsteps.refuse_untested_versions(sender=_worker_of_an_installed_app())
     assert exited.value.code == 1
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("worker refuses to start: celery-explicit ")
@@ -71,12 +71,12 @@ def test_worker_refuses_untested_versions_in_one_line(
 @pytest.mark.usefixtures("untested")
 @override_settings(EXPLICIT_ALLOW_UNTESTED_VERSIONS=True)
 def test_the_override_lets_the_worker_start(capsys: pytest.CaptureFixture[str]) -> None:
-    worker_steps.refuse_untested_versions(sender=_worker_of_an_installed_app())  # no exit
+    bootsteps.refuse_untested_versions(sender=_worker_of_an_installed_app())  # no exit
     assert "refuses" not in capsys.readouterr().err
 
 
 def test_worker_starts_on_tested_versions() -> None:
-    assert worker_steps.refuse_untested_versions(sender=_worker_of_an_installed_app()) is None
+    assert bootsteps.refuse_untested_versions(sender=_worker_of_an_installed_app()) is None
 
 
 @pytest.mark.usefixtures("untested")

@@ -9,7 +9,7 @@ from typing import Any
 import redis
 from django.core.management.base import BaseCommand
 
-from celery_explicit import execution_lease, lease, redis_state
+from celery_explicit import execution_lease, message_lease, redis_state
 from django_outbox.conf import settings
 
 
@@ -46,7 +46,7 @@ class Command(BaseCommand):
             self.stdout.write(f"message leases: none (the broker is not Redis: {broker!r})")
             return
         client = redis.Redis.from_url(broker)
-        leases = lease.live_leases(client)
+        leases = message_lease.live_leases(client)
         held = _still_held(app, client, [held.delivery_tag for held in leases])
         done = [x for x, is_held in zip(leases, held, strict=True) if not is_held]
         shown = leases if options["all"] else [x for x in leases if x not in done]
@@ -95,7 +95,7 @@ def _still_held(app: Any, client: redis.Redis, tags: list[str]) -> list[bool]:
     if not tags:
         return []
     with app.connection_for_read() as conn:
-        index = lease.unacked_index_key(conn.default_channel)
+        index = message_lease.unacked_index_key(conn.default_channel)
     pipe = client.pipeline(transaction=False)
     for tag in tags:
         pipe.zscore(index, tag)

@@ -28,8 +28,14 @@ from django.db.models import F
 from django.db.models.functions import Now
 from kombu.common import Broadcast
 
-from celery_explicit import correlation, idempotency, job_log, sensitive, tracing
+from celery_explicit import correlation, job_log, keys, sensitive, tracing
 from celery_explicit.errors import BadInput, qualname
+from celery_explicit.headers import (
+    CORRELATION_HEADER,
+    KEY_HEADER,
+    PUBLISHED_VIA_HEADER,
+    SENT_AT_HEADER,
+)
 from celery_explicit.metrics import dead_letters as dead_letters_total
 from celery_explicit.retry_policy import backoff_delay
 from django_outbox.models import DeadLetterReason, OutboxEvent, OutboxStatus
@@ -95,7 +101,7 @@ class PublishPolicy:
                         event_id,
                         tuple(event.args),
                         event.kwargs,
-                        {idempotency.PUBLISHED_VIA_HEADER: "outbox", **headers},
+                        {PUBLISHED_VIA_HEADER: "outbox", **headers},
                         event.options,
                     )
                     return OutboxStatus.PUBLISHED
@@ -104,7 +110,7 @@ class PublishPolicy:
                     event.kwargs,
                     task_id=event_id,
                     producer=messages.producer,
-                    headers={idempotency.PUBLISHED_VIA_HEADER: "outbox", **headers},
+                    headers={PUBLISHED_VIA_HEADER: "outbox", **headers},
                     # Fail fast: the relay's own backoff replaces Celery's publish retries,
                     # which would hold the whole batch (and its row locks) meanwhile.
                     retry=False,
@@ -207,11 +213,11 @@ def dead_letter_event(
         reason=reason,
         args=event.args,
         kwargs=event.kwargs,
-        idempotency_key=str(headers.get(idempotency.KEY_HEADER) or ""),
+        idempotency_key=str(headers.get(KEY_HEADER) or ""),
         error_class=error_class,
         error_message=message,
         attempts=attempts,
-        correlation_id=str(headers.get(idempotency.CORRELATION_HEADER) or ""),
+        correlation_id=str(headers.get(CORRELATION_HEADER) or ""),
         queue=str((event.options or {}).get("queue") or ""),
     )
     OutboxEvent.objects.using(using).filter(id=event.id).update(
@@ -225,7 +231,7 @@ def log_fields(event: Claimed | OutboxEvent, **more: Any) -> dict[str, Any]:
     return {
         "task": event.task_name,
         "job_id": str(event.event_id),
-        "idempotency_key": str(_headers(event).get(idempotency.KEY_HEADER) or ""),
+        "idempotency_key": str(_headers(event).get(KEY_HEADER) or ""),
         "ordering_key": event.ordering_key,
         "layer": "delivery",
         **more,
@@ -346,11 +352,9 @@ class CeleryMessages:
         if plan.explicit:
             contract = task.contract
             _arguments, given = task.bind_arguments(args, kwargs)
-            headers[idempotency.KEY_HEADER] = idempotency.render_key(
-                task.name, contract.idempotency_key, given
-            )
-            if idempotency.CORRELATION_HEADER not in headers:  # the row has it (outbox.write)
-                headers[idempotency.CORRELATION_HEADER] = correlation.for_publish()
+            headers[KEY_HEADER] = keys.render_key(task.name, contract.idempotency_key, given)
+            if CORRELATION_HEADER not in headers:  # the row has it (outbox.write)
+                headers[CORRELATION_HEADER] = correlation.for_publish()
             if contract.sensitive:
                 shown_args, shown_kwargs = sensitive.redact(
                     contract.sensitive, contract.signature, args, kwargs
@@ -358,7 +362,7 @@ class CeleryMessages:
                 options["argsrepr"] = repr(tuple(shown_args))
                 options["kwargsrepr"] = repr(shown_kwargs)
             sent_at = time.time()
-            headers[idempotency.SENT_AT_HEADER] = sent_at
+            headers[SENT_AT_HEADER] = sent_at
             options["timestamp"] = int(sent_at)
         elif task.typing:
             check = getattr(task, "__header__", None)

@@ -54,8 +54,9 @@ from django.db.models.functions import Now
 from django.utils import timezone
 from prometheus_client import Counter
 
-from celery_explicit import execution_lease, idempotency, job_log, lease, redis_state
+from celery_explicit import execution_lease, job_log, message_lease, redis_state
 from celery_explicit.errors import qualname
+from celery_explicit.headers import KEY_HEADER, PUBLISHED_VIA_HEADER
 from django_outbox import broker_queues
 from django_outbox.conf import settings
 from django_outbox.models import (
@@ -192,7 +193,9 @@ class Reconciler:
         """A worker holds the message or runs the job now (its leases are live)."""
         if redis_state.client().exists(execution_lease.lease_key(task_id)):
             return True
-        return bool(broker_client is not None and broker_client.exists(lease.record_key(task_id)))
+        return bool(
+            broker_client is not None and broker_client.exists(message_lease.record_key(task_id))
+        )
 
     def _settle(self, lost: list[OutboxEvent], done: Reconciled) -> None:
         if not lost:
@@ -204,7 +207,7 @@ class Reconciler:
             producer = conn.Producer(auto_declare=True)
             for event in lost:
                 task = self.app.tasks.get(event.task_name)
-                if lease.contract_of(task) is None:
+                if message_lease.contract_of(task) is None:
                     # Not an ExplicitTask (or gone since): it leaves no trace to find.
                     OutboxEvent.objects.using(self.using).filter(id=event.id).update(
                         checked_at=Now()
@@ -248,7 +251,7 @@ class Reconciler:
             event.kwargs,
             task_id=str(event.event_id),
             producer=producer,
-            headers={idempotency.PUBLISHED_VIA_HEADER: "outbox", **headers},
+            headers={PUBLISHED_VIA_HEADER: "outbox", **headers},
             retry=False,
             **options,
         )
@@ -266,7 +269,7 @@ class Reconciler:
             "%.0fs after its publish (republish %d of %d)",
             event.event_id,
             event.task_name,
-            headers.get(idempotency.KEY_HEADER, ""),
+            headers.get(KEY_HEADER, ""),
             waited,
             event.republished + 1,
             self.limit,

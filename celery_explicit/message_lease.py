@@ -74,7 +74,7 @@ from celery_explicit.contract import Contract
 from celery_explicit.redis_scripts import SERVER_NOW_MS, Script, call, call_many, server_time
 from celery_explicit.redis_state import text
 
-logger = job_log.get_logger("celery_explicit.lease")
+logger = job_log.get_logger("celery_explicit.message_lease")
 
 #: Extend every lease at this fraction of its timeout.
 HEARTBEAT_FRACTION = 0.25

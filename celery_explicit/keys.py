@@ -1,4 +1,4 @@
-"""Idempotency keys: the business identity of an effect, rendered from a task's arguments.
+"""Keys: the business identity of an effect, rendered from a task's arguments.
 
 A key like ``payment:{payment_id}:capture`` names *the effect*, not the message: a retry,
 a redelivery or a replay of the same capture renders the same key, so the effect ledger
@@ -8,6 +8,9 @@ random value; that is why template fields must be parameters of ``run()``.
 
 The fingerprint covers *all* arguments: the same key arriving with other arguments
 (another amount for the same payment) is a conflict an operator must see.
+
+Dedup and ordering keys are rendered here too, by the same rules. The headers that
+carry a rendered key with the message are ``celery_explicit.headers``'.
 """
 
 from __future__ import annotations
@@ -20,28 +23,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery_explicit.errors import BadInput
-
-#: Message header carrying the rendered key from the moment of publishing.
-KEY_HEADER = "idempotency_key"
-#: Message header carrying the correlation id (the request that caused the job). Not
-#: ``correlation_id``: Celery sets that message property to the task id, and the
-#: request's attribute of that name is the property, so a header of that name was lost.
-CORRELATION_HEADER = "explicit_correlation_id"
-#: Message header linking a replayed message to its dead letter.
-REPLAY_HEADER = "replay_of"
-#: Message header naming how the job was first published: "direct" (apply_async),
-#: "on_commit" (dispatch after the caller's commit) or "outbox" (the relay).
-PUBLISHED_VIA_HEADER = "explicit_published_via"
-#: Message header counting the job's deferrals so far, by the step that deferred it
-#: ({"execution_lease": 2}): carried by each re-publish, stored on the attempt row.
-DEFERRALS_HEADER = "explicit_deferrals"
-#: Message header on a deferral's re-publish of a delivery the broker had redelivered:
-#: the copy that finally runs is still that redelivery, and its attempt row says so.
-REDELIVERED_HEADER = "explicit_redelivered"
-#: Message header with the time it was put on the broker (Unix seconds): set on every
-#: publish, re-publishes included, so the age of a queue's oldest message and a job's
-#: wait in the queue can be read from the message itself.
-SENT_AT_HEADER = "explicit_sent_at"
 
 MAX_KEY_LENGTH = 255
 
@@ -204,8 +185,3 @@ def _same(value: Any, default: Any) -> bool:
 #: ``json.dumps(..., sort_keys=True, separators=(",", ":"), default=str)``, made once
 #: (``json.dumps`` with options builds an encoder per call).
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
-
-
-def correlation_of(request: Any) -> str:
-    """The request that caused this job: the header, else Celery's root task id."""
-    return str(getattr(request, CORRELATION_HEADER, None) or request.root_id or request.id or "")

@@ -1,6 +1,6 @@
 """Our consumer bootsteps, added to each Celery app once.
 
-- ``LeaseKeeper`` (``celery_explicit.lease``): extends each held message's visibility
+- ``LeaseKeeper`` (``celery_explicit.message_lease``): extends each held message's visibility
   lease and each running handler's execution lease.
 - ``RecordUndecodable`` (below): the Redis transport decodes a message's body in the
   worker's main process, before any task code runs; Celery's
@@ -39,10 +39,10 @@ from celery.exceptions import InvalidTaskError
 from celery_explicit import job_log, key_history, redis_state, store, versions, worker_metrics
 from celery_explicit.conf import settings
 from celery_explicit.errors import ContractError
-from celery_explicit.lease import LeaseKeeper, on_worker_init
+from celery_explicit.message_lease import LeaseKeeper, on_worker_init
 from celery_explicit.request import MAX_NESTING, nested_deeper_than
 
-logger = job_log.get_logger("celery_explicit.worker_steps")
+logger = job_log.get_logger("celery_explicit.bootsteps")
 #: Our checks' ids start with this (the app's checks, registered by django_outbox).
 CHECK_PREFIX = "django_outbox."
 
