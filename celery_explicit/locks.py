@@ -184,7 +184,8 @@ class LeaseLock:
         self.token: str | None = None
         self.fence: int | None = None
         # Resolved once: on the hot path a lock is a few round trips, and label
-        # look-ups and duration conversions would show next to them (bench P4).
+        # look-ups and duration conversions would show next to them
+        # (bench/lock_round_trips.py).
         self._ttl_ms = _ms(self.ttl)
         self._wait_seconds = metrics.lock_wait_seconds.labels(_family(name))
 

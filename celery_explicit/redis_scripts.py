@@ -10,9 +10,8 @@ trip, ``call_many``. This module decides how they run:
   the server has them (Redis 7+): loaded by the first call through each client, under
   a name carrying a hash of the code (two versions of this package can share a Redis),
   and loaded again by the call that finds it missing (``FUNCTION FLUSH``, a replica
-  promoted before it got it). An ``FCALL`` cost about what the plain command costs on
-  the development machine, an ``EVALSHA`` of the same Lua about 4 us more
-  (docs/performance.md, P4);
+  promoted before it got it). An ``FCALL`` costs about what the plain command costs,
+  an ``EVALSHA`` of the same Lua a few microseconds more (docs/performance.md);
 - as **scripts** (``EVALSHA``, loaded on ``NOSCRIPT``) where the server has no
   functions (Redis 6) or the client's user may not load them (an ACL without
   ``FUNCTION``).
@@ -117,8 +116,8 @@ _library: Library | None = None
 # Per client, by id and weakly (a caller's client must not be kept alive by us): a
 # reference to it and the name of the library loaded there, or False where scripts
 # stand in for functions. Keyed by id, not a WeakKeyDictionary: its look-up is a Python
-# call and a new reference, about 700 CPU instructions a call (callgrind, bench P4's
-# lock cycle against a stubbed client: 2,131 of its 38,502).
+# call and a new reference, about 700 CPU instructions a call (callgrind, on a lock
+# cycle against a stubbed client: about 5% of the cycle's instructions).
 _clients: dict[int, tuple[weakref.ref[Any], str | bool]] = {}
 
 

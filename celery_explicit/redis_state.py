@@ -9,8 +9,8 @@ everything under it. Lua goes through ``celery_explicit.redis_scripts``.
 A prefork pool child runs one job at a time, and each job makes its few calls (the
 execution lease's acquire and release) one after another. There the client keeps one
 connection of its own (``OneConnection``) instead of taking one from redis-py's pool and
-giving it back on every call, which costs about 15-20 µs of CPU a call on the
-development machine (the pool's locking and its connection metrics; docs/performance.md).
+giving it back on every call, which costs about 15-20 µs of CPU a call (the pool's
+locking and its connection metrics; docs/performance.md).
 Everywhere else (the worker's main process extending leases, a threads or
 gevent pool, a web process) jobs and threads call concurrently, and the pooled client
 stays: one shared connection would make them wait for each other's round trips.

@@ -116,7 +116,7 @@ def _wrong_stamps(request: dict[str, Any]) -> str | None:
     its value from ``stamps.get(name)``, in the main process, when the request is sent
     to the pool (``Request.revoked``), possibly later from the pool's semaphore. A name
     that is a list raised TypeError there and stopped the whole worker, and the unacked
-    message came back to stop the next one (R10, seed 5c6ca7b2ea).
+    message came back to stop the next one (tests/chaos/test_unexpected_bodies.py).
     """
     names = request.get("stamped_headers")
     if names and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
