@@ -1,6 +1,6 @@
 """django_outbox: the database side of celery-explicit.
 
-The effect ledger, the attempt audit trail, the dead letters and the transactional
+The ledger, the attempts, the dead letters and the transactional
 outbox live here, with their admin, system checks and migrations. Add
 ``"django_outbox"`` to ``INSTALLED_APPS``.
 

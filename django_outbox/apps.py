@@ -3,7 +3,7 @@ from django.apps import AppConfig
 
 class DjangoOutboxConfig(AppConfig):
     name = "django_outbox"
-    verbose_name = "Explicit jobs: effects, attempts, dead letters"
+    verbose_name = "Explicit jobs: ledger, attempts, dead letters, outbox"
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:

@@ -37,8 +37,7 @@ class ProcessedOperation(models.Model):
     """The ledger: one ledger entry per idempotency key whose effect committed.
 
     Written in the effect's own transaction (``store.ledger.effect``): an entry exists
-    if and only if the effect committed. The model keeps the name it was created with.
-    """
+    if and only if the effect committed."""
 
     # The key is the primary key: its unique index is the claim (no second index).
     key = models.CharField(max_length=255, primary_key=True)
@@ -50,8 +49,8 @@ class ProcessedOperation(models.Model):
 
     class Meta:
         db_table = "django_outbox_processed_operation"
-        verbose_name = "effect (ledger)"
-        verbose_name_plural = "effect ledger"
+        verbose_name = "ledger entry"
+        verbose_name_plural = "ledger entries"
         indexes = [
             models.Index(fields=["processed_at"], name="django_outbox_processed_at_idx"),
         ]
@@ -98,7 +97,7 @@ class Fence(models.Model):
 
 
 class Attempt(models.Model):
-    """One execution of a handler by a worker: the audit trail."""
+    """One execution of a handler by a worker: the attempts."""
 
     task_id = models.CharField(max_length=255)
     task_name = models.CharField(max_length=255)
@@ -202,8 +201,9 @@ class KeyTemplate(models.Model):
 
 
 class Dashboard(Attempt):
-    """No table of its own: the admin index's entry for the dashboard
-    (``django_outbox.admin.dashboard``), readable by whoever may read the attempts."""
+    """The attempts again, no table of its own: a proxy only because the admin lists a
+    page in its index through a model. Its entry opens the dashboard
+    (``admin.dashboard``), readable by whoever may read the attempts."""
 
     class Meta:
         proxy = True

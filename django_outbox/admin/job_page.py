@@ -4,7 +4,7 @@
 task id, a dead letter id, an outbox event id, a business id) and shows each matching
 job's verdict first (with the rule it matched by), then its timeline, each line with the
 span since the one before; every event links to its row (an execution that left no
-attempt row, to the fence of its takeover). Attempts, dead letters and ledger rows link
+attempt row, to the fence of its takeover). Attempts, dead letters and ledger entries link
 here from their lists.
 
 ``/admin/django_outbox/attempt/window/?since=02:50&until=03:20`` is ``manage.py explicit_explain

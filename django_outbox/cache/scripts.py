@@ -14,7 +14,7 @@ from typing import Any
 
 from celery_explicit.redis_scripts import Script, call
 
-__all__ = ["BUMP", "FILL", "FILL_WITH_LEASE", "READ_OR_LEASE", "run_script"]
+__all__ = ["BUMP", "FILL", "FILL_WITH_CLAIM", "READ_OR_CLAIM", "run_script"]
 
 
 def run_script(client: Any, script: Script, keys: list[str], args: list[Any]) -> Any:
@@ -74,15 +74,15 @@ return current
 """,
 )
 
-# CacheAside: after a plain GET missed, read again or take the fill lease.
+# CacheAside: after a plain GET missed, read again or take the fill claim.
 # KEYS[1] - the value
-# KEYS[2] - the fill lease
-# ARGV[1] - a new lease token
-# ARGV[2] - lease ttl in milliseconds
-# return {value, 0} if it is cached by now, {false, 1} when this reader got the lease,
+# KEYS[2] - the fill claim (``<identity>:lease``)
+# ARGV[1] - a new claim token
+# ARGV[2] - the claim's ttl in milliseconds
+# return {value, 0} if it is cached by now, {false, 1} when this reader got the claim,
 #   {false, 0} when another reader holds it (read the source, do not fill)
-READ_OR_LEASE = Script(
-    "cache_read_or_lease",
+READ_OR_CLAIM = Script(
+    "cache_read_or_claim",
     """
 local value = redis.call('get', KEYS[1])
 if value then
@@ -95,15 +95,15 @@ return {false, 0}
 """,
 )
 
-# CacheAside: store the value read from the source, if the lease was not invalidated.
+# CacheAside: store the value read from the source, if the claim was not invalidated.
 # KEYS[1] - the value
-# KEYS[2] - the fill lease
-# ARGV[1] - the lease token this reader got
+# KEYS[2] - the fill claim (``<identity>:lease``)
+# ARGV[1] - the claim token this reader got
 # ARGV[2] - the value, encoded by the cache's serializer
 # ARGV[3] - the value's ttl in milliseconds
-# return 1 if stored (the lease was still this reader's), otherwise 0
-FILL_WITH_LEASE = Script(
-    "cache_fill_with_lease",
+# return 1 if stored (the claim was still this reader's), otherwise 0
+FILL_WITH_CLAIM = Script(
+    "cache_fill_with_claim",
     """
 if redis.call('get', KEYS[2]) ~= ARGV[1] then
     return 0

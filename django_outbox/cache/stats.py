@@ -22,7 +22,7 @@ reads = Counter(
 fills = Counter(
     "explicit_cache_fills_total",
     "Values written after a miss: stored, or refused because the cache already held a "
-    "newer version (versioned) or the fill lease was invalidated (cache-aside).",
+    "newer version (versioned) or the fill claim was invalidated (cache-aside).",
     ["cache", "outcome"],
 )
 cache_stale = Counter(

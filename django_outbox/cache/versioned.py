@@ -22,7 +22,7 @@ value, and the cache moves to a new version only after the write that made it co
 
 ``CacheAside`` for values without a version: read through, and ``invalidate()`` after
 commit. A reader that read the source before the commit cannot put its old value back
-after the invalidation: it may only fill with a lease the invalidation deletes.
+after the invalidation: it may only fill with a fill claim the invalidation deletes.
 
 State in Redis, per entity, under the cache's ``KEY_PREFIX`` and ``VERSION``:
 
@@ -34,7 +34,9 @@ State in Redis, per entity, under the cache's ``KEY_PREFIX`` and ``VERSION``:
   GET: the same command, and nearly the same cost, as ``cache.get`` (bench P5). Naming
   value keys by version (``user_profile:42:v7``) would need the version before the value:
   a Lua script on every hit, measured at 0.8 of ``cache.get``.
-- cache-aside: ``<identity>``, the value, and ``<identity>:lease``, the fill lease.
+- cache-aside: ``<identity>``, the value, and ``<identity>:lease``, the fill claim (the
+  key keeps its first name, so processes before and after an upgrade share it; the
+  ``lease`` option is its ttl).
 
 There is no wildcard invalidation: a bump or an invalidation names one entity.
 
@@ -69,7 +71,7 @@ from django_redis.client import ShardClient
 
 from celery_explicit import job_log
 from django_outbox.cache.keys import FieldValue, KeyTemplate, base_key
-from django_outbox.cache.scripts import BUMP, FILL, FILL_WITH_LEASE, READ_OR_LEASE, run_script
+from django_outbox.cache.scripts import BUMP, FILL, FILL_WITH_CLAIM, READ_OR_CLAIM, run_script
 from django_outbox.cache.stats import CacheStats, Counts
 
 # The errors live under the app's exception root (django_outbox.errors); imported here
@@ -283,8 +285,8 @@ class VersionedCache(Generic[T]):
 class CacheAside(Generic[T]):
     """A value read through from ``source(**fields)`` and invalidated after commit.
 
-    For values without a version. A miss takes a fill lease (``lease`` seconds) before
-    reading the source; ``invalidate()`` deletes the value and the lease together, so a
+    For values without a version. A miss takes a fill claim (held ``lease`` seconds)
+    before reading the source; ``invalidate()`` deletes the value and the claim together, so a
     reader that read the source before the write committed cannot store its old value
     afterwards. Only one reader fills at a time; the others read the source meanwhile.
     """
@@ -303,7 +305,7 @@ class CacheAside(Generic[T]):
         self.name = self._template.name
         self._source = source
         self._ttl_ms = _seconds(self.name, "timeout", timeout)
-        self._lease_ms = _seconds(self.name, "lease", lease)
+        self._claim_ms = _seconds(self.name, "lease", lease)
         self._cache = cache
         self._using = using
         self._counts = Counts(self.name)
@@ -316,13 +318,13 @@ class CacheAside(Generic[T]):
         redis_client = client.get_client(True)
         raw = redis_client.get(key)
         if raw is None:
-            # A miss costs a second round trip, for the lease: hits stay a plain GET.
+            # A miss costs a second round trip, for the claim: hits stay a plain GET.
             keys, token = [key, key + ":lease"], os.urandom(8).hex()
-            raw, leased = run_script(redis_client, READ_OR_LEASE, keys, [token, self._lease_ms])
+            raw, claimed = run_script(redis_client, READ_OR_CLAIM, keys, [token, self._claim_ms])
             if raw is None:
                 self._counts.add("misses")
                 value = self._source(**fields)
-                if leased:
+                if claimed:
                     # After commit, as for VersionedCache: never store what this
                     # transaction wrote but has not committed.
                     encoded = client.encode(value)
@@ -335,7 +337,7 @@ class CacheAside(Generic[T]):
         return cached
 
     def invalidate(self, **fields: FieldValue) -> None:
-        """After the transaction on ``using`` commits, delete the value and its fill lease.
+        """After the transaction on ``using`` commits, delete the value and its fill claim.
 
         One key, named by its fields: there is no wildcard invalidation.
         """
@@ -351,7 +353,7 @@ class CacheAside(Generic[T]):
     def _fill(self, client: Any, keys: list[str], token: str, encoded: Any) -> None:
         try:
             stored = run_script(
-                client.get_client(True), FILL_WITH_LEASE, keys, [token, encoded, self._ttl_ms]
+                client.get_client(True), FILL_WITH_CLAIM, keys, [token, encoded, self._ttl_ms]
             )
         except redis.RedisError:
             logger.warning("cache %s: fill of %s failed", self.name, keys[0], exc_info=True)

@@ -113,7 +113,7 @@ def check_ledger_database(
         return []
     return [
         checks.Error(
-            f"the effect ledger needs INSERT ... ON CONFLICT DO NOTHING RETURNING, which "
+            f"the ledger needs INSERT ... ON CONFLICT DO NOTHING RETURNING, which "
             f"database {settings.database!r} ({connection.vendor}) does not offer",
             hint="Use PostgreSQL (or SQLite for a demo) for EXPLICIT_DATABASE.",
             id="django_outbox.E005",

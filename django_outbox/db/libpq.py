@@ -2,7 +2,7 @@
 COMMIT with its last.
 
 A transaction through Django's cursor costs a round trip for BEGIN (psycopg sends it
-alone, before the first statement) and one for COMMIT. The effect ledger and the
+alone, before the first statement) and one for COMMIT. The ledger and the
 outbox relay send a few statements a transaction, so those two are a large share of
 their time; under a CPU hog each round trip also waits for the processes at both ends
 to be scheduled again (bench/outbox_lag.py). Sending ``BEGIN; ...`` and ``...; COMMIT``

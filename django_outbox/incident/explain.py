@@ -2,7 +2,7 @@
 
 ``manage.py explicit_explain <what>`` answers the three questions of a 3 a.m. incident (which
 entities, did the effect happen, why was the job repeated) from the rows the job path
-left: attempts, the ledger row, fences, dead letters and outbox rows. ``<what>`` is an
+left: attempts, the ledger entry, fences, dead letters and outbox rows. ``<what>`` is an
 idempotency key, a task id, a dead letter id, an outbox event id, or a business id
 found as one ``:``-separated part of keys (``1003`` finds ``order:1003:ship``). Each
 match is one key, with the rule it matched by (``incident.lookup``): its timeline
@@ -138,7 +138,7 @@ def _explanation(
             Event(
                 ledger.processed_at,
                 "effect",
-                f"effect applied: ledger row for {ledger.key} by task {ledger.task_id}"
+                f"effect applied: ledger entry for {ledger.key} by task {ledger.task_id}"
                 + (f", result {ledger.result_ref}" if ledger.result_ref else ""),
                 {"task_id": ledger.task_id, "result_ref": ledger.result_ref},
             )

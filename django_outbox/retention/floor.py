@@ -78,7 +78,7 @@ class LedgerBelowFloor(ValueError):
         super().__init__(
             f"{setting_name('ledger')}={seconds:g}s ({human(seconds)}) is shorter than the "
             f"ledger's floor of {floor.seconds:g}s ({human(floor.seconds)}): a copy of a job "
-            f"can still arrive that late, and would find its ledger row gone and apply its "
+            f"can still arrive that late, and would find its ledger entry gone and apply its "
             f"effect again. The floor is {floor.describe()}"
         )
 

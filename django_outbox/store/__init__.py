@@ -1,8 +1,8 @@
 """The job path's facts in PostgreSQL: what ``celery_explicit.store`` is implemented with.
 
-- ``ledger``: the effect ledger (one row per applied effect, and the fences of executions
-  taken over), written in the effect's own transaction.
-- ``attempts``: the attempt trail, a row per execution with its outcome.
+- ``ledger``: the ledger (one ledger entry per applied effect, and the fences of
+  executions taken over), written in the effect's own transaction.
+- ``attempts``: the attempts, a row per execution with its outcome.
 - ``dead_letters``: jobs given up on, with why, kept until replayed or discarded.
 - ``unreached``: messages that never reached a task (unknown name, undecodable body),
   recorded as dead letters by Celery signal receivers.

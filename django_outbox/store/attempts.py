@@ -1,4 +1,4 @@
-"""The attempt audit trail: one row per execution of a handler.
+"""The attempts: one attempt row per execution of a handler.
 
 Answers "why was this job repeated?": every attempt of a key, its number, whether the
 broker redelivered it, which worker ran it, how it ended, and when the next one is due.

@@ -1,7 +1,7 @@
 """The Django app's side of ``celery_explicit.store``: where the job path's facts live.
 
 Registered in ``DjangoOutboxConfig.ready``. Each fact goes to the module that owns its
-table: the ledger (effects and fences), the audit trail (attempts), the dead letters,
+table: the ledger (its entries and the fences), the attempts, the dead letters,
 and the unreached (messages that never reached a task).
 """
 

@@ -149,7 +149,7 @@ def replay(letter: DeadLetter, *, by: str) -> str:
             headers[KEY_HEADER] = letter.idempotency_key
         # Published before the status change commits: a publish that fails leaves the
         # letter open (and replayable); a commit that fails after a publish leaves a
-        # duplicate message, which the effect ledger absorbs.
+        # duplicate message, which the ledger absorbs.
         # Back to where it came from: the exchange and routing key it was delivered
         # with (a routing key is a queue's name only on the default routes). Letters
         # recorded before the exchange was kept go to the queue named like the key.
@@ -191,7 +191,7 @@ def replay_refusal(letter: DeadLetter) -> str:
         )
     if letter.reason == DeadLetterReason.CONFLICT:
         # Its key's effect was applied with other arguments: the replay would meet
-        # the same ledger row and fail the same way.
+        # the same ledger entry and fail the same way.
         return (
             f"dead letter {letter.pk} ({letter.task_name}) is a conflict: key "
             f"{letter.idempotency_key!r} was already applied with other arguments "

@@ -1,7 +1,7 @@
-"""The effect ledger: a business effect happens once per idempotency key.
+"""The ledger: a business effect happens once per idempotency key.
 
 ``effect()`` opens one database transaction and claims the key in it by inserting the
-ledger row *first*. A second execution with the same key (a redelivery, a retry, a
+ledger entry *first*. A second execution with the same key (a redelivery, a retry, a
 concurrent worker) blocks on the primary key until the first transaction ends, then
 sees the committed row and is told ``done``. If the first rolls back, its row vanishes
 with its effect and the second one applies. The database's constraint decides; no
@@ -48,7 +48,7 @@ def effect(
     other_keys: Sequence[str] = (),
     accepted_fingerprints: Sequence[str] = (),
 ) -> Iterator[Effect]:
-    """One transaction holding the effect and its ledger row.
+    """One transaction holding the effect and its ledger entry.
 
     ``before_commit`` returns statements to run in the same transaction after the
     block (the attempt row). Raises ``IdempotencyConflict`` when the key was applied
@@ -144,7 +144,7 @@ def _claim(connection: Any, params: list[Any]) -> bool:
 
 def _stored_or_claim(connection: Any, params: list[Any]) -> Sequence[Any] | None:
     """After a lost claim: the stored ``(fingerprint, result_ref)`` of the key, or None
-    when the row was deleted before the read (a prune of old ledger rows) and this
+    when the row was deleted before the read (a prune of old ledger entries) and this
     transaction has claimed the key after all."""
     key = params[0]
     for _ in range(3):
@@ -155,7 +155,7 @@ def _stored_or_claim(connection: Any, params: list[Any]) -> Sequence[Any] | None
             return stored  # type: ignore[no-any-return]
         if _claim(connection, params):
             return None
-    raise DatabaseError(f"effect {key!r}: the ledger row kept vanishing")
+    raise DatabaseError(f"effect {key!r}: the ledger entry kept vanishing")
 
 
 def _stored_under(connection: Any, keys: Sequence[str]) -> Sequence[Any] | None:

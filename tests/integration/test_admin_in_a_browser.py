@@ -177,7 +177,7 @@ def test_dashboard_job_page_and_replay_in_chromium(
         # The dead letter page answers "did the effect happen?" and offers replay.
         letter_pk = history["letter"].pk
         page.goto(f"{live_server.url}/admin/django_outbox/deadletter/{letter_pk}/change/")
-        assert "No: no ledger row" in page.locator("div.field-effect_happened").inner_text()
+        assert "No: no ledger entry" in page.locator("div.field-effect_happened").inner_text()
         page.screenshot(path=str(shots / "dead-letter.png"), full_page=True)
 
         page.goto(f"{live_server.url}/admin/django_outbox/deadletter/")

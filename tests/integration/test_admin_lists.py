@@ -200,7 +200,7 @@ def test_a_dead_letter_says_first_whether_its_effect_happened(admin_browser: Cli
     assert "happen?:" not in text.lower()  # Django adds the label's colon
     assert text.index("field-effect_happened") < text.index("field-task_name")  # at the top
     other = admin_browser.get(f"/admin/django_outbox/deadletter/{missing.pk}/change/")
-    assert "No: no ledger row for its key." in other.content.decode()
+    assert "No: no ledger entry for its key." in other.content.decode()
 
 
 def test_every_page_writes_a_time_the_same_way(admin_browser: Client) -> None:

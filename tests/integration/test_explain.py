@@ -37,7 +37,7 @@ def test_a_message_published_three_times_applied_once(start_worker, queue) -> No
     assert "ran 3 times" in verdict and "2 duplicate executions absorbed" in verdict
     # Every attempt is on the timeline, with millisecond times, and the ledger row.
     assert text.count(" attempt 1 of task ") == 3
-    assert "effect applied: ledger row" in text
+    assert "effect applied: ledger entry" in text
     data = explain_json(f"counter:{name}:op:1")
     [match] = data["matches"]
     assert [e["kind"] for e in match["events"]].count("attempt") == 3

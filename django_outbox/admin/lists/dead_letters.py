@@ -98,7 +98,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
         answer = (
             f"Yes: applied at {times.shown(applied.processed_at)} by task {applied.task_id}."
             if obj.idempotency_key and applied is not None
-            else "No: no ledger row for its key."
+            else "No: no ledger entry for its key."
         )
         return format_html(
             "{} {}", answer, job_page.job_link(obj.idempotency_key or obj.task_id, "Explain.")

@@ -17,7 +17,7 @@ __all__ = ["FenceAdmin", "LedgerAdmin"]
 
 @admin.register(ProcessedOperation)
 class LedgerAdmin(ReadOnlyAdmin):
-    """The ledger: one entry per idempotency key whose effect committed."""
+    """The ledger: one ledger entry per idempotency key whose effect committed."""
 
     list_display = ("key", "task_name", "processed_at", "result_ref", "task_id", "job")
     # Substring search: an order number finds every key it is part of.

@@ -15,7 +15,7 @@ sent before it commits. A relay that dies mid-batch leaves its events pending: a
 relay (or itself, restarted) publishes them again. The consumer's idempotency key
 absorbs the duplicate; the relay cannot tell a republish from a first publish (the
 transaction that died left no trace), the consumer can: a second attempt with the
-same job id, ``already_applied``. An event that keeps failing holds its ordering key
+same task id, ``already_applied``. An event that keeps failing holds its ordering key
 back until ``EXPLICIT_OUTBOX_MAX_ATTEMPTS``, then goes to the dead letters and the key
 moves on.
 

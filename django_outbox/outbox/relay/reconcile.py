@@ -9,8 +9,8 @@ suite, R2: about one job per five restarts of an append-only Redis; celery/kombu
 A queue deleted or purged by hand loses messages the same way. The outbox holds the
 event, so the relay is the one place that can notice and publish it again.
 
-**What counts as received.** Our own records of the job, looked up by its task id (the
-event id): an attempt row, a ledger row or a dead letter (PostgreSQL), a live message
+**What counts as received.** Our own rows of the job, looked up by its task id (the
+event id): an attempt row, a ledger entry or a dead letter (PostgreSQL), a live message
 lease record (``lease:<id>``, written while a Redis worker holds the message) or a live
 execution lease (``run:<id>``, while a handler runs). Found: the event is marked
 ``checked_at`` and never looked at again. Only ExplicitTask events are reconciled:
