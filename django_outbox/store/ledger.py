@@ -253,7 +253,7 @@ def _literals(values: Sequence[Any], escape: Callable[[bytes], bytes]) -> tuple[
 
     One loop, no function call per value: a job quotes about 26 (the claim, the
     attempt row, the fence check). An attempt row's 20 took 16.6 µs with a call each,
-    10.9 µs in one loop (best of seven timings, on a slow day of the 2-core machine).
+    10.9 µs in one loop (best of seven timings).
     """
     written: list[str] = []
     append = written.append

@@ -60,7 +60,7 @@ class AttemptAdmin(ReadOnlyAdmin):
         return [job, window, *super().get_urls()]
 
     def job_view(self, request: HttpRequest) -> TemplateResponse:
-        """The job page: explain's timeline and verdict (``admin_job``)."""
+        """The job page: explain's timeline and verdict (``admin.job_page``)."""
         self._may_view(request)
         return job_page.job_view(self, request)
 

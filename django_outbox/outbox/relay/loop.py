@@ -32,9 +32,9 @@ publishes in a way of its own still goes through ``apply_async``.
 
 **The Celery app is read, never written.** Celery's settings are read from
 ``task.app.conf`` (once a batch, by the relay's message builder), as in any other
-process. The relay used to copy every resolved setting into ``app.conf`` to save those
-look-ups: that turned each default into a project setting in the app's ``changes`` and
-hid later changes of Django's settings from the app.
+process. Copying the resolved settings into ``app.conf`` would save those look-ups, but
+would turn each default into a project setting in the app's ``changes`` and hide later
+changes of Django's settings from the app.
 
 **Failures.** The broker down (or the Redis that holds dedup ids): nothing of that
 batch is marked published, the relay backs off (capped, full jitter) and tries again
@@ -84,7 +84,8 @@ from django_outbox.outbox.relay.publish import CeleryMessages, PublishPolicy
 from django_outbox.outbox.relay.reconcile import Reconciled, Reconciler
 from django_outbox.outbox.relay.wakeup import ListenWakeup, Wakeup, wakeup_for
 
-# Importable from here as before (the management command, the tests).
+# The relay and what a caller of it sees, importable from here (the management command,
+# the tests).
 __all__ = ["Relay", "BatchResult", "Claimed", "Wakeup", "ListenWakeup"]
 
 logger = job_log.get_logger("django_outbox.outbox.relay.loop")
