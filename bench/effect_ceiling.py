@@ -34,8 +34,8 @@ def main() -> None:
     from django.db import connection
 
     from bench.benchapp.models import Row
+    from django_outbox.db import ledger_sql
     from django_outbox.models import ProcessedOperation
-    from django_outbox.store import ledger
 
     reset_rows()
     connection.ensure_connection()
@@ -84,15 +84,15 @@ def main() -> None:
     # The earlier claim: claim, or read the row already there, in one statement. Kept
     # here to show what planning it cost.
     CLAIM_OR_READ = (
-        f"WITH claim AS ({ledger._CLAIM_SQL}) SELECT true, NULL, NULL FROM claim "
+        f"WITH claim AS ({ledger_sql.CLAIM}) SELECT true, NULL, NULL FROM claim "
         f"UNION ALL SELECT false, fingerprint, result_ref FROM {table} "
         "WHERE key = %s AND NOT EXISTS (SELECT 1 FROM claim)"
     )
     variants: dict[str, Callable[[list[str]], None]] = {
         "bare: BEGIN, update, COMMIT": bare,
-        "ledger, claim or read (CTE, before)": with_claim(CLAIM_OR_READ, ledger._RESULT_SQL),
-        "ledger, as shipped (result_ref set)": with_claim(ledger._CLAIM_SQL, ledger._RESULT_SQL),
-        "ledger, result_ref left empty": with_claim(ledger._CLAIM_SQL, None),
+        "ledger, claim or read (CTE, before)": with_claim(CLAIM_OR_READ, ledger_sql.RESULT),
+        "ledger, as shipped (result_ref set)": with_claim(ledger_sql.CLAIM, ledger_sql.RESULT),
+        "ledger, result_ref left empty": with_claim(ledger_sql.CLAIM, None),
     }
     for loop in variants.values():  # warm-up
         loop([f"warm-{uuid.uuid4().hex}" for _ in range(200)])
