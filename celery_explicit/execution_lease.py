@@ -39,22 +39,22 @@ duplicate) starts a new counter, above every token the old one gave. Only an exe
 that never released (its process killed, its Redis unreachable at the end) leaves its
 marker and counter, for ``HELD_MARKER_TTL`` at most: the next delivery of that job takes
 over and releases them, so they number the crashes, not the jobs.
+
+This module is the lease itself: its scripts and keys, taking, releasing and extending
+it, and listing the live ones. The step that takes it before the handler runs (deferring
+a delivery, recording a takeover) is ``celery_explicit.execution_lease_step``.
 """
 
 from __future__ import annotations
 
 import enum
 import os
-import random
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from django.db import Error as DatabaseError
-
-from celery_explicit import job_log, metrics, redis_state, store
+from celery_explicit import job_log, redis_state
 from celery_explicit.conf import settings
-from celery_explicit.execution import Execution, delivery
 from celery_explicit.redis_scripts import (
     SERVER_NOW_MS,
     Script,
@@ -64,17 +64,12 @@ from celery_explicit.redis_scripts import (
     tagged,
 )
 from celery_explicit.redis_state import text
-from celery_explicit.steps import RUN, Decision, Defer, Ending, Job, RetryLater, Step
-
-if TYPE_CHECKING:
-    from celery_explicit.contract import Contract
 
 logger = job_log.get_logger("celery_explicit.execution_lease")
 
 #: How long the "not released" marker outlives a lease: a holder asleep for longer
 #: than this is no longer recognised as stale (its commit is then not refused).
 HELD_MARKER_TTL = 24 * 3600
-_rng = random.SystemRandom()
 
 # KEYS[1] - the lease          KEYS[2] - the "not released" marker
 # KEYS[3] - the job's fence counter
@@ -336,119 +331,3 @@ def live_executions(client: Any, *, prefix: str | None = None) -> list[LiveExecu
             )
         )
     return sorted(found, key=lambda lease: lease.expires_in)
-
-
-class ExecutionLeaseStep(Step):
-    """Hold the job's execution lease while the handler runs, or defer this delivery.
-
-    Its failure policy: without Redis the job runs, unfenced, loudly (the lease is a
-    safety net for a rare race); without the database a takeover is not run (the
-    stale holder could still commit), it is retried.
-    """
-
-    name = "execution_lease"
-
-    def __init__(self, task_name: str, ttl: float) -> None:
-        super().__init__(task_name)
-        self.ttl = ttl
-
-    @classmethod
-    def declared(cls, contract: Contract) -> ExecutionLeaseStep:
-        return cls(contract.task_name, contract.visibility_timeout)
-
-    def before_run(self, job: Job) -> Decision:
-        import redis
-
-        execution = job.execution
-        redelivered = bool(delivery(job.request, "redelivered"))
-        if not enabled():
-            if redelivered:
-                metrics.redeliveries.labels(self.task_name, "broker").inc()
-            return RUN
-        try:
-            lease = acquire(execution.task_id, ttl=self.ttl)
-        except redis.RedisError:
-            logger.warning(
-                "execution lease unavailable: running unfenced", extra=execution.log_fields()
-            )
-            return RUN
-        if isinstance(lease, Held):
-            metrics.concurrent_executions_deferred.labels(self.task_name).inc()
-            # Look again well before the holder's lease could run out: it may end soon.
-            quarter = max(0.5, self.ttl * 0.25)
-            return Defer(
-                min(lease.retry_in, quarter) + _rng.uniform(0.2, 1.0),
-                f"another execution of this job is running ({lease.holder})",
-                {"holder": lease.holder},
-            )
-        execution.fence = lease.fence
-        if lease.took_over_from:
-            return self._take_over(execution, lease)
-        if redelivered:
-            metrics.redeliveries.labels(self.task_name, "broker").inc()
-        return RUN
-
-    def _take_over(self, execution: Execution, lease: Taken) -> Decision:
-        metrics.redeliveries.labels(self.task_name, lease.cause).inc()
-        logger.info(
-            "took over the execution lease of %s (%s); fence %s",
-            lease.took_over_from,
-            lease.cause,
-            lease.fence,
-            extra={**execution.log_fields(), "layer": "delivery", "fence": lease.fence},
-        )
-        try:
-            store.get().record_takeover(
-                execution.task_id,
-                execution.key,
-                lease.fence,
-                lease.took_over_from,
-                cause=lease.cause.value if lease.cause else "",
-                holder_started_ms=lease.holder_started_ms,
-            )
-        except DatabaseError as exc:
-            # Without the fence row the stale holder could still commit: do not run.
-            # Keep the lease (it runs out by itself) rather than release it: releasing
-            # would erase the "not released" marker, and the retry would then take a
-            # fresh lease with no takeover to record.
-            execution.fence = None
-            return RetryLater(exc, _rng.uniform(1.0, 5.0), record=False)
-        return RUN
-
-    def after_run(
-        self, request: Any, execution: Execution | None, ending: Ending, *, entered: bool
-    ) -> None:
-        if execution is not None and execution.fence is not None:
-            give_back(execution)
-
-
-def give_back(execution: Execution) -> None:
-    """Release the lease; a lease found taken over marks the execution ``lost_lease``."""
-    import redis
-
-    assert execution.fence is not None
-    try:
-        released = release(execution.task_id, execution.fence)
-    except redis.RedisError:
-        logger.warning(
-            "could not release the execution lease (it runs out by itself)",
-            extra=execution.log_fields(),
-        )
-        return
-    if not released:
-        # Taken over while this execution ran (it was paused past its lease): the
-        # job is the newer execution's now, its turn included.
-        execution.lost_lease = True
-
-
-def hand_back(execution: Execution | None) -> bool:
-    """Before re-publishing this job: its next message must find the lease free.
-
-    False when the lease had been taken over meanwhile: another execution owns the
-    job now, and this one must not publish a second live copy of it.
-    """
-    if execution is not None and execution.fence is not None:
-        give_back(execution)
-        execution.fence = None
-        return not execution.lost_lease
-    return True

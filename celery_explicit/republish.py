@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_explicit import execution_lease, job_log, ordering
+from celery_explicit import execution_lease_step, job_log, ordering
 from celery_explicit.execution import Execution, delivery, running
 from celery_explicit.headers import (
     CORRELATION_HEADER,
@@ -58,7 +58,7 @@ def retry(task: Any, exc: Exception, countdown: float) -> Retry:
     would be dropped. Requeue it instead (it runs again at once rather than after its
     backoff, but it is not lost).
     """
-    if not execution_lease.hand_back(running(task.request)):
+    if not execution_lease_step.hand_back(running(task.request)):
         raise _end_without_republishing(task, "retry")
     try:
         published: Retry = task.retry(exc=exc, countdown=countdown, **{OPTION: True})
@@ -94,7 +94,7 @@ def defer(
     headers: dict[str, Any] = {DEFERRALS_HEADER: deferrals}
     if redelivered(request):
         headers[REDELIVERED_HEADER] = True
-    if not execution_lease.hand_back(execution):
+    if not execution_lease_step.hand_back(execution):
         raise _end_without_republishing(task, "deferral")
     try:
         task.apply_async(
