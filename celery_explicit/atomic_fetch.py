@@ -32,10 +32,10 @@ it) is moved to ``explicit:unreadable:<queue>`` on the broker, counted in
 the message is gone.
 
 Replaced on the consumer's channel only (``_brpop_start``, ``_brpop_read`` and the
-poller's handler), as ``lease_on_delivery`` replaces its ``QoS.append``;
-``tests/integration/test_atomic_fetch.py`` and ``test_upstream_seams.py`` fail if
-kombu's seams move. ``EXPLICIT_ATOMIC_FETCH=0`` keeps kombu's ``BRPOP`` (the negative
-control of ``tests/fault/test_atomic_fetch.py``).
+poller's handler), as ``message_lease_transport.lease_on_delivery`` replaces its
+``QoS.append``; ``tests/integration/test_atomic_fetch.py`` and
+``test_upstream_seams.py`` fail if kombu's seams move. ``EXPLICIT_ATOMIC_FETCH=0`` keeps
+kombu's ``BRPOP`` (the negative control of ``tests/fault/test_atomic_fetch.py``).
 """
 
 from __future__ import annotations

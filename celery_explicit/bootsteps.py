@@ -1,7 +1,7 @@
 """Our consumer bootsteps, added to each Celery app once.
 
-- ``LeaseKeeper`` (``celery_explicit.message_lease``): extends each held message's visibility
-  lease and each running handler's execution lease.
+- ``LeaseKeeper`` (``celery_explicit.message_lease_keeper``): extends each held message's
+  visibility lease and each running handler's execution lease.
 - ``RecordUndecodable`` (below): the Redis transport decodes a message's body in the
   worker's main process, before any task code runs; Celery's
   ``Consumer.on_decode_error`` then logs it and acks it, and the message is gone. The
@@ -39,7 +39,8 @@ from celery.exceptions import InvalidTaskError
 from celery_explicit import job_log, key_history, redis_state, store, versions, worker_metrics
 from celery_explicit.conf import settings
 from celery_explicit.errors import ContractError
-from celery_explicit.message_lease import LeaseKeeper, on_worker_init
+from celery_explicit.message_lease_keeper import LeaseKeeper
+from celery_explicit.message_lease_transport import on_worker_init
 from celery_explicit.request import MAX_NESTING, nested_deeper_than
 
 logger = job_log.get_logger("celery_explicit.bootsteps")

@@ -14,8 +14,8 @@ back at once; otherwise, when the job ahead has shown no sign of life for
 ``ordering_gap`` seconds (default: twice the visibility timeout plus the backoff cap),
 the waiting job goes ahead, logged and counted. The job holding the turn shows life by
 its ``alive`` key, set when it takes the turn for its visibility timeout and extended
-by the worker's heartbeat while its handler runs (``celery_explicit.message_lease``); between
-retries its next attempt must come within the gap. A straggler that arrives after it
+by the worker's heartbeat while its handler runs (``celery_explicit.message_lease_keeper``);
+between retries its next attempt must come within the gap. A straggler that arrives after it
 was skipped still runs: guard such writes with a version (``versioned_update``).
 
 State in Redis (``EXPLICIT_REDIS_URL``), per key, with the key as the hash tag (one
@@ -332,7 +332,7 @@ def alive_extensions(
     running: list[tuple[str, str, float]],
 ) -> list[tuple[Script, list[Any], list[Any]]]:
     """The calls keeping ``(ordering key, task id, lease)`` turn holders alive, for the
-    worker's heartbeat pipeline (``celery_explicit.message_lease``)."""
+    worker's heartbeat pipeline (``celery_explicit.message_lease_keeper``)."""
     return [
         (ALIVE, [_keys(key)["alive"]], [task_id, max(1, int(lease * 1000))])
         for key, task_id, lease in running

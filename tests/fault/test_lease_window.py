@@ -3,7 +3,7 @@
 In a kill storm, a message used to carry kombu's score (its delivery time) until
 the keeper's first look, up to 0.1 s later, so a worker killed in that moment left its
 job to the broker's backstop, an hour in production. The message now gets its lease in
-the very write that records it as delivered (``celery_explicit.message_lease.
+the very write that records it as delivered (``celery_explicit.message_lease_transport.
 lease_on_delivery``): there is no moment in which it depends on the backstop.
 
 The history: many workers, each SIGKILLed whole (main process and pool child) at a

@@ -25,7 +25,8 @@ from kombu import Connection, Consumer, Queue
 from prometheus_client import REGISTRY
 
 from celery_explicit import atomic_fetch
-from celery_explicit.message_lease import holder_id, lease_on_delivery
+from celery_explicit.message_lease import holder_id
+from celery_explicit.message_lease_transport import lease_on_delivery
 from celery_explicit.redis_scripts import server_time
 from tests.support.servers import PrivateRedis
 

@@ -26,7 +26,8 @@ from celery.worker import state
 from django.conf import settings
 from kombu import Connection, Queue
 
-from celery_explicit.message_lease import LeaseKeeper, record_key
+from celery_explicit.message_lease import record_key
+from celery_explicit.message_lease_keeper import LeaseKeeper
 from tests.testapp.tasks import SlowShip
 
 BACKSTOP = 60.0  # the global visibility timeout of this test's channel

@@ -21,7 +21,7 @@ import redis
 from django.conf import settings
 from kombu import Connection, Queue
 
-from celery_explicit.message_lease import lease_on_delivery
+from celery_explicit.message_lease_transport import lease_on_delivery
 from celery_explicit.redis_scripts import server_time
 
 BACKSTOP = 60.0

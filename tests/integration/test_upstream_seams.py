@@ -21,7 +21,8 @@ from kombu import Connection, Queue
 
 from celery_explicit import bootsteps
 from celery_explicit.contract import celery_decorator_keys
-from celery_explicit.message_lease import LeaseKeeper, unacked_index_key
+from celery_explicit.message_lease import unacked_index_key
+from celery_explicit.message_lease_keeper import LeaseKeeper
 
 
 def _code_names(code: types.CodeType) -> Iterator[str]:

@@ -11,7 +11,7 @@ import pytest
 from celery.exceptions import InvalidTaskError
 
 from celery_explicit.bootsteps import RefuseMisshapen, _too_deep
-from celery_explicit.message_lease import _append_with_lease
+from celery_explicit.message_lease_transport import _append_with_lease
 from celery_explicit.request import MAX_NESTING, _wrong_embed, nested_deeper_than
 
 
