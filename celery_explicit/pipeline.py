@@ -63,7 +63,7 @@ from celery_explicit.errors import BadInput, IdempotencyConflict, LeaseLost
 from celery_explicit.execution import Execution, running
 from celery_explicit.execution_lease_step import ExecutionLeaseStep
 from celery_explicit.headers import SENT_AT_HEADER, correlation_of
-from celery_explicit.ordering import OrderingStep
+from celery_explicit.ordering_step import OrderingStep
 from celery_explicit.outcomes import Outcome
 from celery_explicit.retry_policy import Classification
 from celery_explicit.steps import (
