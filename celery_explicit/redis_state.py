@@ -15,6 +15,15 @@ Everywhere else (the worker's main process extending leases, a threads or
 gevent pool, a web process) jobs and threads call concurrently, and the pooled client
 stays: one shared connection would make them wait for each other's round trips.
 Pipelines take their connection from the pool either way.
+
+**Behind Sentinel.** ``EXPLICIT_REDIS_URL`` (or the broker's URL) in Celery's Sentinel
+form, ``sentinel://host:26379;sentinel://host2:26379/0``, with the master's name in the
+URL (``?master_name=mymaster``) or, for the broker's URL, in Celery's
+``broker_transport_options["master_name"]``: the client asks the Sentinels for the
+primary (redis-py's ``SentinelConnectionPool``) and asks again when a connection to it
+fails, so after a failover the next command reaches the promoted replica. A password
+in the URL is the primary's; ``sentinel_kwargs`` in the transport options go to the
+Sentinels, as kombu passes them.
 """
 
 from __future__ import annotations
@@ -22,10 +31,13 @@ from __future__ import annotations
 import os
 import select
 import threading
-from collections.abc import Iterator
+import urllib.parse
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from celery_explicit.conf import settings
 
@@ -59,7 +71,13 @@ class OneConnection(redis.Redis):
                 poller = select.poll()
                 poller.register(sock, select.POLLIN)
                 if poller.poll(0):
-                    self.connection.disconnect()  # the command connects again
+                    self.connection.disconnect()
+                    sock = None
+            if sock is None and self.connection is not None:
+                # Connected here, not by the command: redis-py's send connects without
+                # calling connect(), which a Sentinel-managed connection overrides to
+                # ask the Sentinels where the primary is now.
+                self.connection.connect()
             return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
 
 
@@ -73,19 +91,90 @@ def client() -> Any:
         return found
     with _clients_lock:
         if (url, pid) not in _clients:
-            _clients[(url, pid)] = new_client(url, keep_one=_one_job_at_a_time_in == pid)
+            _clients[(url, pid)] = new_client(
+                url,
+                keep_one=_one_job_at_a_time_in == pid,
+                options=settings.celery_app().conf.broker_transport_options or {},
+            )
         return _clients[(url, pid)]
 
 
-def new_client(url: str, *, keep_one: bool) -> Any:
+def new_client(url: str, *, keep_one: bool, options: Mapping[str, Any] | None = None) -> Any:
     """A client for ``url``: ``OneConnection`` when ``keep_one``, else redis-py's pooled
     one. Timeouts: the worker's main loop extends leases with this client, and a Redis
-    that stops answering must not stall it."""
+    that stops answering must not stall it. ``options``: Celery's transport options
+    for a ``sentinel://`` URL (``master_name``, ``sentinel_kwargs``)."""
+    timeouts = {"socket_timeout": 5, "socket_connect_timeout": 5}
+    if url.startswith("sentinel://"):
+        target = SentinelTarget.parse(url, options or {})
+        pool = target.pool(**timeouts)
+        if keep_one:
+            return OneConnection(connection_pool=pool, single_connection_client=True)
+        return redis.Redis(connection_pool=pool)
     if keep_one:
-        return OneConnection.from_url(
-            url, socket_timeout=5, socket_connect_timeout=5, single_connection_client=True
+        return OneConnection.from_url(url, single_connection_client=True, **timeouts)
+    return redis.Redis.from_url(url, **timeouts)
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """A primary named ``master_name`` that ``sentinels`` watch, as Celery's URL says."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master_name: str
+    db: int = 0
+    password: str | None = None
+    username: str | None = None
+    sentinel_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, url: str, options: Mapping[str, Any]) -> SentinelTarget:
+        """``sentinel://[user:password@]host:port[/db][?master_name=name]``, several
+        joined by ``;``; the name from ``options`` when the URL has none. Raises
+        ``ValueError`` naming what is missing."""
+        sentinels: list[tuple[str, int]] = []
+        db, password, username = 0, None, None
+        names: set[str] = set()
+        for part in filter(None, (p.strip() for p in url.split(";"))):
+            parsed = urllib.parse.urlsplit(part)
+            if parsed.scheme != "sentinel" or not parsed.hostname:
+                raise ValueError(f"{part!r} is not a sentinel://host:port URL")
+            sentinels.append((parsed.hostname, parsed.port or 26379))
+            if parsed.path.strip("/"):
+                db = int(parsed.path.strip("/"))
+            password = parsed.password or password
+            username = parsed.username or username
+            names.update(urllib.parse.parse_qs(parsed.query).get("master_name", []))
+        if not names and options.get("master_name"):
+            names.add(str(options["master_name"]))
+        if len(names) != 1:
+            raise ValueError(
+                "a sentinel:// URL needs one master name: add ?master_name=<name> to the "
+                "URL (or broker_transport_options['master_name'] for the broker's), got "
+                f"{sorted(names) or 'none'}"
+            )
+        return cls(
+            sentinels=tuple(sentinels),
+            master_name=names.pop(),
+            db=db,
+            password=urllib.parse.unquote(password) if password else None,
+            username=urllib.parse.unquote(username) if username else None,
+            sentinel_kwargs=dict(options.get("sentinel_kwargs") or {}),
         )
-    return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+
+    def pool(self, **connection: Any) -> SentinelConnectionPool:
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            list(self.sentinels), sentinel_kwargs={**connection, **self.sentinel_kwargs}
+        )
+        return SentinelConnectionPool(  # type: ignore[no-untyped-call]
+            self.master_name,
+            sentinel,
+            is_master=True,
+            db=self.db,
+            password=self.password,
+            username=self.username,
+            **connection,
+        )
 
 
 def one_job_at_a_time(**_: Any) -> None:

@@ -60,12 +60,16 @@ class PrivateRedis:
         unix_socket: bool = False,
         durable: bool = True,
         extra: Sequence[str] = (),
+        sentinel_conf: Path | None = None,
+        port: int | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.extra = list(extra)  # more redis-server options, e.g. --replicaof
+        # A Sentinel instead of a server: its config file (Sentinel rewrites it).
+        self.sentinel_conf = sentinel_conf
         self.durable = durable
         self.socket_path: Path | None = data_dir / "redis.sock" if unix_socket else None
-        self.port = 0 if unix_socket else free_port()
+        self.port = 0 if unix_socket else (port or free_port())
         self.url = (
             f"unix://{self.socket_path}" if self.socket_path else f"redis://127.0.0.1:{self.port}/0"
         )
@@ -104,6 +108,8 @@ class PrivateRedis:
             str(self.data_dir),
             *self.extra,
         ]
+        if self.sentinel_conf is not None:
+            command = [binary, str(self.sentinel_conf), "--sentinel", *listen, *self.extra]
         self._starts += 1
         server = RedisServerProcess(
             [*command, "--daemonize", "no"],
