@@ -28,10 +28,12 @@ their hash tag (one slot on Redis Cluster):
 - ``{prefix}run:{<task_id>}``: ``<fence>|<owner host:pid>|<acquired ms>``, with the TTL;
 - ``{prefix}run-held:{<task_id>}``: the fence of a holder that has not released (a
   day); present while the lease is not, it means "taken over";
-- ``{prefix}run-fence:{<task_id>}``: the job's fence counter. A new counter starts at
-  the server's clock in microseconds, so a counter that expired or was deleted never
-  hands out a token below an older one: each token costs a script call, which takes
-  the server more than a microsecond, so a counter grows slower than the clock.
+- ``{prefix}run-fence:{<task_id>}``: the job's fence counter. A token is above the
+  counter and above the server's clock in microseconds, so a counter that expired, was
+  deleted or was lost in a failover never hands out a token below an older one: each
+  token costs a script call, which takes the server more than a microsecond, so a
+  counter grows slower than the clock. (After a failover that lost ``run:`` and
+  ``run-held:`` no takeover is seen; the ledger still applies the effect once.)
 
 All three are deleted by the release that ends an execution, in one script: a
 finished job leaves nothing. A later delivery of the same job (a retry, a deferral, a
@@ -88,10 +90,13 @@ if holder and holder ~= ARGV[4] then
     return {0, holder, redis.call('pttl', KEYS[1])}
 end
 local previous = holder or redis.call('get', KEYS[2]) or ''
-if redis.call('exists', KEYS[3]) == 0 then
-    redis.call('set', KEYS[3], server_time[1] .. string.format('%06d', tonumber(server_time[2])))
-end
 local fence = redis.call('incr', KEYS[3])
+local clock = server_time[1] .. string.format('%06d', tonumber(server_time[2]))
+if fence <= tonumber(clock) then
+    -- A counter gone or behind (expired, deleted, lost in a failover): the clock's.
+    redis.call('set', KEYS[3], clock)
+    fence = redis.call('incr', KEYS[3])
+end
 redis.call('expire', KEYS[3], ARGV[3])
 -- '%.0f': Lua would write a number this large as 1.7e+15.
 local value = string.format('%.0f', fence) .. '|' .. ARGV[2] .. '|' .. string.format('%.0f', now_ms)

@@ -1,4 +1,5 @@
-"""Fault test: a Redis failover never hands out a lock's fencing token twice.
+"""Fault test: a Redis failover never hands out a fencing token twice (a lock's, or an
+execution lease's).
 
 Each round runs a private primary and replica on loopback, the replication link through
 a proxy. A first holder takes and releases the lock (the replica has the counter), then
@@ -14,16 +15,17 @@ counter, so B gets A's token exactly and A's stale write lands.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter as Tally
 from pathlib import Path
 
 import pytest
 
-from celery_explicit import locks
+from celery_explicit import execution_lease, locks
 from celery_explicit.errors import LockNotReplicated, StaleFencingToken
 from celery_explicit.locks import LeaseLock
-from celery_explicit.redis_scripts import Script
+from celery_explicit.redis_scripts import SERVER_NOW_MS, Script
 from django_outbox.store.guarded_writes import fenced_update
 from tests.support.replication import PrimaryReplica
 from tests.support.scale import scaled
@@ -118,3 +120,60 @@ def test_replicas_asked_for_hold_the_token_or_the_lock_is_not_taken(tmp_path: Pa
         assert LeaseLock(pair.client(), name, ttl=2.0, prefix="failover:").acquire() > fence
     finally:
         pair.stop()
+
+
+# The execution lease's acquisition before the fix, for its negative control.
+EXECUTION_COUNTER_ONLY = Script(
+    "execution_lease_acquire_counter_only_control",
+    SERVER_NOW_MS
+    + """
+local holder = redis.call('get', KEYS[1])
+if holder and holder ~= ARGV[4] then
+    return {0, holder, redis.call('pttl', KEYS[1])}
+end
+local previous = holder or redis.call('get', KEYS[2]) or ''
+if redis.call('exists', KEYS[3]) == 0 then
+    redis.call('set', KEYS[3], server_time[1] .. string.format('%06d', tonumber(server_time[2])))
+end
+local fence = redis.call('incr', KEYS[3])
+redis.call('expire', KEYS[3], ARGV[3])
+local value = string.format('%.0f', fence) .. '|' .. ARGV[2] .. '|' .. string.format('%.0f', now_ms)
+redis.call('set', KEYS[1], value, 'PX', ARGV[1])
+redis.call('set', KEYS[2], value, 'EX', ARGV[3])
+return {fence, previous}
+""",
+)
+
+
+def one_takeover(data_dir: Path) -> str:
+    """A job whose holder X died (its marker and counter replicated), taken over by A on
+    the primary while replication is lost, then by B on the promoted replica."""
+    pair = PrimaryReplica(data_dir)
+    try:
+        task_id = uuid.uuid4().hex
+        x = execution_lease.acquire(task_id, ttl=0.05, client=pair.client())
+        assert isinstance(x, execution_lease.Taken)
+        time.sleep(0.1)  # X's lease runs out, never released
+        pair.wait_in_sync()
+        pair.sever()
+        a = execution_lease.acquire(task_id, ttl=30.0, client=pair.client())
+        pair.fail_over()
+        b = execution_lease.acquire(task_id, ttl=30.0, client=pair.client())
+        assert isinstance(a, execution_lease.Taken) and isinstance(b, execution_lease.Taken)
+        assert a.took_over_from and b.took_over_from  # both took over from X
+        if b.fence > a.fence:
+            return "B's token larger"
+        return "token handed out twice" if b.fence == a.fence else "token went backwards"
+    finally:
+        pair.stop()
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["clock-floor", "negative-control"])
+def test_a_failover_never_hands_out_an_execution_token_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, control: bool
+) -> None:
+    if control:
+        monkeypatch.setattr(execution_lease, "ACQUIRE", EXECUTION_COUNTER_ONLY)
+    outcomes = Tally(one_takeover(tmp_path / f"round-{i}") for i in range(ROUNDS))
+    expected = "token handed out twice" if control else "B's token larger"
+    assert outcomes == Tally({expected: ROUNDS})
