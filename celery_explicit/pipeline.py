@@ -12,11 +12,12 @@ The steps run in this fixed order, each only where the task declares its mechani
    holder's lease is taken over and fenced;
 5. ``downstream``: a job whose downstream is full or broken is deferred.
 
-Then the handler runs, its error is classified (``retry_policy``), and one attempt
-row records how it ended (``records``). Whatever happened, every declared step is then
-told how the delivery ended, in reverse order (``end``). This module is the only one
-that acts on a step's decision: it re-publishes (``republish``), records and
-dead-letters.
+Then the handler runs, and one attempt row records how it ended (``records``); an
+error goes to ``failures``, which classifies it (``retry_policy``) and retries,
+dead-letters, or defers the job while the database is down. Whatever happened, every
+declared step is then told how the delivery ended, in reverse order (``end``). This
+module is the only one that acts on a step's decision: it re-publishes
+(``republish``), records, and dead-letters (``failures``).
 
 Each step's ``after_run`` is called in its own ``try``, the way Dramatiq's broker
 calls each middleware's hook: an error in one (a bug, a reply it did not expect) is
@@ -31,20 +32,19 @@ delivery count after its TTL.
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NoReturn
+from typing import Any
 
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
-from django.db import DatabaseError
 from django.utils import timezone
 
 from celery_explicit import (
     correlation,
     database_outage,
+    failures,
     job_log,
     key_history,
     keys,
@@ -54,7 +54,6 @@ from celery_explicit import (
     sensitive,
     tracing,
 )
-from celery_explicit.conf import settings
 from celery_explicit.contract import Contract
 from celery_explicit.dedup import DedupStep
 from celery_explicit.delivery_limit import DeliveryLimitStep
@@ -79,7 +78,6 @@ from celery_explicit.steps import (
 )
 
 logger = job_log.get_logger("celery_explicit")
-_rng = random.SystemRandom()
 
 
 #: Every kind of step, in the order they run (the module docstring says why).
@@ -236,7 +234,7 @@ def _through_steps(
             started_at=started,
             correlation_id=correlation_of(request),
         )
-        _dead_letter(task, args, kwargs, exc, stand_in, "BAD_INPUT")
+        failures.dead_letter(task, args, kwargs, exc, stand_in, "BAD_INPUT")
         raise
     job = Job(task_name=task.name, request=request, execution=execution)
     for step in task.job_steps:
@@ -272,13 +270,13 @@ def _act(
         records.attempt(execution, job.request, decision.outcome, note=decision.note)
         return None
     if isinstance(decision, DeadLetter):
-        _dead_letter(task, args, kwargs, decision.error, execution, decision.name)
+        failures.dead_letter(task, args, kwargs, decision.error, execution, decision.name)
         raise decision.error
     assert isinstance(decision, RetryLater), decision
-    cause = _outage(decision.error)
+    cause = failures.outage_cause(decision.error)
     if cause is not None:
         # The step's store write failed for the database: wait for it, attempts kept.
-        _wait_for_database(task, execution, job.request, args, kwargs, cause)
+        failures.wait_for_database(task, execution, job.request, args, kwargs, cause)
     if decision.record:
         records.attempt(execution, job.request, Outcome.RETRY_SCHEDULED, exc=decision.error)
     raise republish.retry(task, decision.error, decision.delay) from decision.error
@@ -299,11 +297,11 @@ def _run_handler(
         records.attempt(execution, request, Outcome.RETRY_SCHEDULED)
         raise
     except SoftTimeLimitExceeded as exc:
-        _dead_letter(task, args, kwargs, exc, execution, "MAX_RUN_TIME")
+        failures.dead_letter(task, args, kwargs, exc, execution, "MAX_RUN_TIME")
         raise
     except IdempotencyConflict as exc:
         metrics.idempotency_conflicts.labels(task.name, "arguments").inc()
-        _dead_letter(task, args, kwargs, exc, execution, "CONFLICT")
+        failures.dead_letter(task, args, kwargs, exc, execution, "CONFLICT")
         raise
     except LeaseLost as exc:
         # This execution lost its lease while paused and a newer one runs the job
@@ -314,121 +312,14 @@ def _run_handler(
         records.attempt(execution, request, Outcome.FENCED, exc=exc)
         return None
     except Exception as exc:
-        cause = _outage(exc)
+        cause = failures.outage_cause(exc)
         if cause is not None:
-            _defer_for_outage(task, job, args, kwargs, exc, cause)
-        state.transient_failure = _classify(task, exc) is Classification.RETRY
-        _failed(task, job, args, kwargs, exc)
+            failures.defer_for_outage(task, job, args, kwargs, exc, cause)
+        state.transient_failure = failures.classify(task, exc) is Classification.RETRY
+        failures.handler_failed(task, job, args, kwargs, exc)
         raise
     if not execution.recorded:
         records.attempt(execution, request, execution.outcome or Outcome.SUCCEEDED)
     elif execution.line_pending and execution.outcome is not None:
         records.emit(execution, execution.outcome)
     return result
-
-
-def _failed(
-    task: Any, job: Job, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception
-) -> None:
-    """The handler raised: retry it with backoff, or dead-letter it, by its class."""
-    execution = job.execution
-    policy = task.contract.retry
-    kind = _classify(task, exc)
-    if kind is Classification.RETRY or (
-        kind is Classification.UNCLASSIFIED and policy.should_retry(exc)
-    ):
-        if execution.attempt < policy.max_attempts:
-            delay = policy.delay(execution.attempt, exc, rng=_rng)
-            metrics.retries_scheduled.labels(task.name, type(exc).__name__).inc()
-            records.attempt(
-                execution, job.request, Outcome.RETRY_SCHEDULED, exc=exc, retry_delay=delay
-            )
-            # Celery's max_retries is off (None): max_attempts is the limit.
-            raise republish.retry(task, exc, delay)
-        name = "EXHAUSTED"
-    elif kind is Classification.UNCLASSIFIED:
-        name = "FAILED_UNCLASSIFIED"
-    else:
-        name = "FAILED_PERMANENT"
-    _dead_letter(task, args, kwargs, exc, execution, name)
-
-
-def _outage(exc: BaseException) -> str | None:
-    """Why the database is unavailable, when ``exc`` says it is (and the switch is on)."""
-    return database_outage.cause_of(exc) if settings.database_outage else None
-
-
-def _classify(task: Any, exc: BaseException) -> Classification:
-    """The task's retry policy, except that an operational database error (a deadlock,
-    a serialization failure) is transient whatever the task declares."""
-    if settings.database_outage and database_outage.transient(exc):
-        return Classification.RETRY
-    return task.contract.retry.classify(exc)  # type: ignore[no-any-return]
-
-
-def _defer_for_outage(
-    task: Any,
-    job: Job,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    exc: BaseException,
-    cause: str,
-) -> NoReturn:
-    """The handler met a database it cannot write: not the job's fault. Deferred with
-    the outage's backoff, its attempts kept; recorded where the database lets us."""
-    execution = job.execution
-    delay = database_outage.seen(task.name, cause, job.request)
-    records.attempt(
-        execution, job.request, Outcome.DATABASE_UNAVAILABLE, exc=exc, retry_delay=delay
-    )
-    republish.defer(task, execution, args, kwargs, delay, by=database_outage.NAME)
-
-
-def _wait_for_database(
-    task: Any,
-    execution: Execution,
-    request: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    cause: str,
-) -> NoReturn:
-    """Publish the job again after the outage's backoff, its attempts kept."""
-    delay = database_outage.seen(task.name, cause, request)
-    republish.defer(task, execution, args, kwargs, delay, by=database_outage.NAME)
-
-
-def _dead_letter(
-    task: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    exc: BaseException,
-    execution: Execution,
-    name: str,
-) -> None:
-    request = task.request
-    if execution.secrets:
-        # The error goes on to Celery, which logs it ("raised expected: ...") and may
-        # store it as the result: its text must not quote a sensitive value either.
-        exc.args = tuple(execution.scrub(a) if isinstance(a, str) else a for a in exc.args)
-    try:
-        records.dead_letter(
-            request,
-            args,
-            kwargs,
-            exc,
-            execution=execution,
-            name=name,
-            signature=task.contract.signature,
-        )
-    except DatabaseError as db_exc:
-        # The dead letter is the only copy once the message is acked: keep the
-        # message instead, and try again later, its attempts kept (the same job
-        # comes back to the same ending).
-        logger.exception(
-            "could not record dead letter; deferring the message",
-            extra={"task": task.name, "job_id": request.id, "idempotency_key": execution.key},
-        )
-        if not settings.database_outage:
-            raise republish.retry(task, db_exc, _rng.uniform(1.0, 10.0)) from db_exc
-        cause = database_outage.cause_of(db_exc) or "dead_letter_write"
-        _wait_for_database(task, execution, request, args, kwargs, cause)

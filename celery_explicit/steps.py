@@ -17,7 +17,8 @@ in reverse order with how it ended and whether the step had let it through
 (``entered``), so a step can give back what it took (a downstream slot, the execution
 lease) or pass on what the job held (the entity's turn). A step returns its decision
 and never acts on it: re-publishing, recording and dead-lettering belong to the
-pipeline (``celery_explicit.pipeline``), which is the only module that imports them.
+pipeline (``celery_explicit.pipeline``, and ``failures`` for a job that did not
+succeed), the only modules that import them.
 A step counts its own metric and writes its own log line when it decides.
 
 A step subclasses ``Step`` and overrides only what its mechanism does: the hooks are
