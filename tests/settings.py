@@ -77,6 +77,12 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "unacked_mutex_expire": 5,
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# EXPLICIT_TEST_QUEUE_TYPE=quorum: RabbitMQ quorum queues, as a RabbitMQ cluster runs
+# them (Celery declares its queues so, counts and delays natively); with publisher
+# confirms, the transport option a quorum queue's durability is worth only with.
+if os.environ.get("EXPLICIT_TEST_QUEUE_TYPE") == "quorum":
+    CELERY_TASK_DEFAULT_QUEUE_TYPE = "quorum"
+    CELERY_BROKER_TRANSPORT_OPTIONS["confirm_publish"] = True
 
 # The log tests (tests/integration/test_job_logs.py) start workers logging as a user's
 # would: "celery" is Celery's own set-up (`celery worker -l INFO`, its default format);

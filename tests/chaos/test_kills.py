@@ -8,16 +8,18 @@ through a task without the ledger applies some effects twice.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kombu import Connection
+from kombu import Connection, Exchange, Queue
 
 from tests.chaos import history
 from tests.chaos.report import Row, scaled
@@ -48,17 +50,23 @@ def storm(
     after: float = HOLD,
     kills_wanted: int = KILLS,
     whole_workers: bool = True,
+    quorum: bool = False,
 ) -> dict[str, Any]:
     env = {"EXPLICIT_TEST_BROKER_URL": broker, "EXPLICIT_TEST_BACKSTOP": "3600"}
+    target: str | Queue = queue
+    if quorum:
+        env["EXPLICIT_TEST_QUEUE_TYPE"] = "quorum"
+        # Declared as the workers declare it (a quorum queue refuses a classic declare).
+        target = Queue(queue, Exchange(queue), queue, queue_arguments={"x-queue-type": "quorum"})
     workers = [start_worker(concurrency=2, extra_env=env) for _ in range(2)]
     history.record_published(run, range(JOBS))
-    with Connection(broker) as conn:
+    with Connection(broker, transport_options={"confirm_publish": quorum}) as conn:
         for job in range(JOBS):
             # Half the hold before the effect, half after it: a kill then lands
             # between the commit and the ack, where a redelivery would apply it again.
             task.apply_async(
                 kwargs={"run": run, "job": job, "hold": before, "after": after},
-                queue=queue,
+                queue=target,
                 connection=conn,
             )
     rng = random.Random(run)
@@ -100,13 +108,14 @@ def storm(
     }
 
 
-@pytest.mark.parametrize("broker_name", ["redis", "rabbitmq"])
+@pytest.mark.parametrize("broker_name", ["redis", "rabbitmq", "rabbitmq-quorum"])
 def test_kill_storm(start_worker, queue, run_id, broker_name, redis_client) -> None:
     from django.conf import settings
 
     broker = settings.REDIS_URL if broker_name == "redis" else RABBITMQ_URL
+    quorum = broker_name == "rabbitmq-quorum"
     started = time.monotonic()
-    result = storm(start_worker, ChaosJob(), run_id, queue, broker)
+    result = storm(start_worker, ChaosJob(), run_id, queue, broker, quorum=quorum)
     counts = result["counts"]
     # Most of the control's run time after its effect, and only pool children killed
     # (a whole worker's unguarded jobs would wait for the backstop, not run twice):
@@ -122,6 +131,7 @@ def test_kill_storm(start_worker, queue, run_id, broker_name, redis_client) -> N
         after=0.3,
         kills_wanted=2 * KILLS,
         whole_workers=False,
+        quorum=quorum,
     )
     row = Row(
         scenario=f"kills ({broker_name})",
@@ -148,6 +158,16 @@ def test_kill_storm(start_worker, queue, run_id, broker_name, redis_client) -> N
         detail = {"duplicates": result["duplicates"], "lost": result["lost"]}
         Path(f"/tmp/chaos-{run_id}.json").write_text(json.dumps(detail, default=str, indent=1))
     assert row.ok, (row, result["duplicates"], result["lost"])
-    if broker_name == "rabbitmq":
+    if quorum:
+        assert queue_type(queue) == "quorum"  # what the workers consumed from
+    if broker_name != "redis":
         with Connection(broker) as conn:
             conn.channel().queue_delete(queue)
+
+
+def queue_type(queue: str) -> str:
+    """The queue's type as RabbitMQ's management API reports it."""
+    request = urllib.request.Request(f"http://127.0.0.1:15672/api/queues/%2F/{queue}")
+    request.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return str(json.load(reply)["type"])
