@@ -11,7 +11,8 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from celery_explicit.conf import Relation, Settings, settings
+from celery_explicit.conf import Settings, settings
+from celery_explicit.setting import Relation
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 
