@@ -77,7 +77,7 @@ class OneConnection(redis.Redis):
                 # Connected here, not by the command: redis-py's send connects without
                 # calling connect(), which a Sentinel-managed connection overrides to
                 # ask the Sentinels where the primary is now.
-                self.connection.connect()
+                self.connection.connect()  # type: ignore[no-untyped-call]
             return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
 
 
