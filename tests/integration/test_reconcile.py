@@ -93,6 +93,47 @@ def test_a_received_job_is_marked_and_never_looked_at_again(queue, redis_client)
     assert redis_client.llen(queue) == 0
 
 
+def attempt_row(event_id: str, number: int, outcome: str, next_in: float | None = None) -> None:
+    now = timezone.now()
+    Attempt.objects.create(
+        task_id=event_id,
+        task_name="tests.increment",
+        attempt=number,
+        outcome=outcome,
+        started_at=now,
+        finished_at=now,
+        duration_ms=1.0,
+        next_attempt_at=now + timedelta(seconds=next_in) if next_in is not None else None,
+    )
+
+
+def test_a_job_is_followed_to_its_end_and_a_lost_retry_published_again(queue, redis_client) -> None:
+    event_id = publish(queue, "retried")
+    redis_client.delete(queue)  # a worker took it
+    attempt_row(event_id, 1, "retry_scheduled", next_in=3600)
+    done = reconciler().run_once()
+    # Received, not ended, its retry not due yet: neither marked nor published again.
+    assert (done.received, done.retrying, done.republished) == (0, 1, 0)
+    assert OutboxEvent.objects.get(event_id=event_id).checked_at is None
+
+    # The retry after attempt 2 was due and never came (lost with its broker).
+    attempt_row(event_id, 2, "retry_scheduled", next_in=0)
+    done = reconciler().run_once()
+    assert (done.retrying, done.republished, done.ids) == (0, 1, [event_id])
+    message = queued(redis_client, queue)
+    assert [m["id"] for m in message] == [event_id]
+    assert message[0]["headers"]["retries"] == 2  # the retry it stands for
+    event = OutboxEvent.objects.get(event_id=event_id)
+    assert "its retry after attempt 2 was" in event.last_error
+
+    # It ran and ended: marked, never looked at again.
+    redis_client.delete(queue)
+    attempt_row(event_id, 3, "applied")
+    assert reconciler().run_once().received == 1
+    assert OutboxEvent.objects.get(event_id=event_id).checked_at is not None
+    assert reconciler().run_once().looked_at == 0
+
+
 def test_a_running_job_is_left_alone(queue, redis_client) -> None:
     event_id = publish(queue, "running")
     redis_client.delete(queue)  # a worker took it; its handler runs

@@ -10,11 +10,17 @@ A queue deleted or purged by hand loses messages the same way. The outbox holds 
 event, so the relay is the one place that can notice and publish it again.
 
 **What counts as received.** Our own rows of the job, looked up by its task id (the
-event id): an attempt row, a ledger entry or a dead letter (PostgreSQL), a live message
-lease record (``lease:<id>``, written while a Redis worker holds the message) or a live
-execution lease (``run:<id>``, while a handler runs). Found: the event is marked
-``checked_at`` and never looked at again. Only ExplicitTask events are reconciled:
-a plain task leaves none of these, so its silence means nothing.
+event id): a ledger entry, a dead letter or an attempt that ended it (PostgreSQL). Found:
+the event is marked ``checked_at`` and never looked at again. An attempt that did not
+end the job (a retry scheduled, a deferral while the database was down, a stale copy
+fenced) says only that the job was received once: its next message can be lost as the
+first one could. The job is followed until it ends: once the latest such attempt's next
+message is ``EXPLICIT_OUTBOX_RECONCILE_AFTER`` overdue with no newer trace, the job is
+published again (same task id, its retry count kept), as a lost first message is.
+A live message lease record (``lease:<id>``, written while a Redis worker holds the
+message) or a live execution lease (``run:<id>``, while a handler runs) means in
+flight: looked at again later. Only ExplicitTask events are reconciled: a plain task
+leaves none of these, so its silence means nothing.
 
 **When.** An event is looked at ``EXPLICIT_OUTBOX_RECONCILE_AFTER`` seconds (default
 300) after its publish, and only once its queue has moved past it: the queue is empty
@@ -60,14 +66,13 @@ from celery_explicit.headers import KEY_HEADER, PUBLISHED_VIA_HEADER
 from django_outbox import broker_queues
 from django_outbox.conf import settings
 from django_outbox.models import (
-    Attempt,
-    DeadLetter,
     DeadLetterReason,
     OutboxEvent,
     OutboxStatus,
-    ProcessedOperation,
 )
+from django_outbox.outbox.relay import traces
 from django_outbox.outbox.relay.publish import dead_letter_event, log_fields
+from django_outbox.outbox.relay.traces import Unended
 
 __all__ = ["Reconciler", "Reconciled"]
 
@@ -94,6 +99,8 @@ class Reconciled:
 
     looked_at: int = 0
     received: int = 0
+    #: Received, not ended, and its next message not overdue yet.
+    retrying: int = 0
     in_flight: int = 0
     #: Their queue still held messages older than them.
     queued: int = 0
@@ -158,12 +165,22 @@ class Reconciler:
             done.looked_at = len(events)
             if not events:
                 return done
-            received = self._received({str(e.event_id) for e in events})
-            seen = [e.id for e in events if str(e.event_id) in received]
+            ended, unended = self._traces({str(e.event_id) for e in events})
+            seen = [e.id for e in events if str(e.event_id) in ended]
             done.received = len(seen)
             if seen:
                 OutboxEvent.objects.using(self.using).filter(id__in=seen).update(checked_at=Now())
-            lost = [e for e in events if str(e.event_id) not in received]
+            lost: list[tuple[OutboxEvent, Unended | None]] = []
+            overdue_before = time.time() - self.after
+            for event in events:
+                task_id = str(event.event_id)
+                if task_id in ended:
+                    continue
+                latest = unended.get(task_id)
+                if latest is not None and latest.next_due > overdue_before:
+                    done.retrying += 1  # its next message is not overdue yet
+                    continue
+                lost.append((event, latest))
             try:
                 self._settle(lost, done)
             except self._broker_errors() as exc:
@@ -178,16 +195,8 @@ class Reconciler:
 
     # --- the checks --------------------------------------------------------------
 
-    def _received(self, ids: set[str]) -> set[str]:
-        """The ids among ``ids`` that a worker left a record of in the database."""
-        found: set[str] = set()
-        for model in (Attempt, ProcessedOperation, DeadLetter):
-            found.update(
-                model.objects.using(self.using)
-                .filter(task_id__in=ids)
-                .values_list("task_id", flat=True)
-            )
-        return found
+    def _traces(self, ids: set[str]) -> tuple[set[str], dict[str, Unended]]:
+        return traces.of(ids, using=self.using)
 
     def _in_flight(self, task_id: str, broker_client: Any) -> bool:
         """A worker holds the message or runs the job now (its leases are live)."""
@@ -197,7 +206,7 @@ class Reconciler:
             broker_client is not None and broker_client.exists(message_lease.record_key(task_id))
         )
 
-    def _settle(self, lost: list[OutboxEvent], done: Reconciled) -> None:
+    def _settle(self, lost: list[tuple[OutboxEvent, Unended | None]], done: Reconciled) -> None:
         if not lost:
             return
         with self.app.connection_for_write() as conn:
@@ -205,7 +214,7 @@ class Reconciler:
             broker_client = _redis_client(conn)
             heads: dict[str, tuple[int, float | None]] = {}
             producer = conn.Producer(auto_declare=True)
-            for event in lost:
+            for event, latest in lost:
                 task = self.app.tasks.get(event.task_name)
                 if message_lease.contract_of(task) is None:
                     # Not an ExplicitTask (or gone since): it leaves no trace to find.
@@ -220,14 +229,17 @@ class Reconciler:
                 queue = self._queue_of(task, event)
                 if queue not in heads:
                     heads[queue] = _queue_head(conn, queue)
-                if not _queue_is_past(heads[queue], event):
+                # The message to look past: the first publish, or the latest attempt's
+                # next one (published when that attempt ended).
+                sent = latest.sent if latest else _timestamp(event.published_at)
+                if not _queue_is_past(heads[queue], sent):
                     done.queued += 1
                     continue
                 if event.ordering_key or event.republished >= self.limit:
                     self._dead_letter(event)
                     done.dead_lettered += 1
                 else:
-                    self._republish(task, event, producer)
+                    self._republish(task, event, producer, latest)
                     done.republished += 1
                 done.ids.append(task_id)
 
@@ -243,9 +255,14 @@ class Reconciler:
 
     # --- the two outcomes ----------------------------------------------------------
 
-    def _republish(self, task: Any, event: OutboxEvent, producer: Any) -> None:
+    def _republish(
+        self, task: Any, event: OutboxEvent, producer: Any, latest: Unended | None = None
+    ) -> None:
         headers = dict(event.headers) if isinstance(event.headers, dict) else {}
         options = dict(event.options) if isinstance(event.options, dict) else {}
+        if latest is not None:
+            # The lost message was the retry after attempt N: it carried N retries.
+            options["retries"] = latest.attempt
         task.apply_async(
             tuple(event.args),
             event.kwargs,
@@ -256,21 +273,24 @@ class Reconciler:
             **options,
         )
         assert event.published_at is not None
-        waited = (timezone.now() - event.published_at).total_seconds()
+        if latest is not None:
+            waited = time.time() - latest.next_due
+            what = f"its retry after attempt {latest.attempt} was {waited:.0f}s overdue"
+        else:
+            waited = (timezone.now() - event.published_at).total_seconds()
+            what = f"no worker had received it {waited:.0f}s after its publish"
         OutboxEvent.objects.using(self.using).filter(id=event.id).update(
             republished=F("republished") + 1,
             published_at=Now(),
-            last_error=f"published again: no worker had received it {waited:.0f}s after "
-            "its publish",
+            last_error=f"published again: {what}",
         )
         republished_total.labels(event.task_name).inc()
         logger.warning(
-            "outbox event %s (%s, key %s) published again: no worker had received it "
-            "%.0fs after its publish (republish %d of %d)",
+            "outbox event %s (%s, key %s) published again: %s (republish %d of %d)",
             event.event_id,
             event.task_name,
             headers.get(KEY_HEADER, ""),
-            waited,
+            what,
             event.republished + 1,
             self.limit,
             extra=log_fields(event, republished=event.republished + 1),
@@ -342,15 +362,19 @@ def _queue_head(conn: Any, queue: str) -> tuple[int, float | None]:
     return state.depth, time.time() - state.oldest_age
 
 
-def _queue_is_past(head: tuple[int, float | None], event: OutboxEvent) -> bool:
-    """The queue is empty, or its oldest message was sent after ``event`` was published.
+def _queue_is_past(head: tuple[int, float | None], sent: float | None) -> bool:
+    """The queue is empty, or its oldest message was sent after ``sent`` (epoch s).
     Unreadable: taken to still hold it."""
     depth, oldest_sent = head
     if depth == 0:
         return True
-    if oldest_sent is None or event.published_at is None:
+    if oldest_sent is None or sent is None:
         return False
-    return oldest_sent > event.published_at.timestamp()
+    return oldest_sent > sent
+
+
+def _timestamp(value: Any) -> float | None:
+    return value.timestamp() if value is not None else None
 
 
 def _skip_locked(using: str) -> bool:
