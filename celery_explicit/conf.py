@@ -60,7 +60,7 @@ class Settings:
     #: effects write to (the ledger row and the effect commit in one transaction).
     database: Setting[str] = Setting("default", text, check=database_alias_rule)
     #: The Redis holding leases, locks, dedup marks, ordering and downstream state;
-    #: unset: the Celery broker when it is Redis, else redis://127.0.0.1:6379/0.
+    #: unset: the Celery broker when it is Redis (or Sentinel), else redis://127.0.0.1:6379/0.
     redis_url_setting: Setting[str] = Setting("", text, check=redis_url_rule)
     #: Prefix of every Redis key we write (an operator finds them all under it).
     key_prefix: Setting[str] = Setting("explicit:", text)
@@ -262,7 +262,9 @@ class Settings:
             return self.redis_url_setting
         broker = str(self.celery_app().conf.broker_url or "")
         return (
-            broker if broker.startswith(("redis://", "rediss://")) else "redis://127.0.0.1:6379/0"
+            broker
+            if broker.startswith(("redis://", "rediss://", "sentinel://"))
+            else "redis://127.0.0.1:6379/0"
         )
 
     def celery_app(self) -> Celery:

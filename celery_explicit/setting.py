@@ -245,9 +245,11 @@ def interface_rule(value: str) -> str | None:
 
 
 def redis_url_rule(value: str) -> str | None:
-    # redis-py's from_url() knows these schemes; "" means the broker or the default.
-    if value and urllib.parse.urlsplit(value).scheme not in ("redis", "rediss", "unix"):
-        return "must be a redis://, rediss:// or unix:// URL"
+    # redis-py's from_url() knows these schemes, and Celery's sentinel:// form goes to
+    # redis-py's Sentinel client (redis_state); "" means the broker or the default.
+    scheme = urllib.parse.urlsplit(value).scheme
+    if value and scheme not in ("redis", "rediss", "unix", "sentinel"):
+        return "must be a redis://, rediss://, unix:// or sentinel:// URL"
     return None
 
 

@@ -239,7 +239,11 @@ def test_a_reconcile_horizon_at_or_below_after_is_an_error() -> None:
         ("EXPLICIT_WORKER_METRICS_BIND", "0.0.0.0:9100", "must be an IP address or a host name"),
         ("EXPLICIT_WORKER_METRICS_BIND", "", "must be an IP address or a host name"),
         ("EXPLICIT_DATABASE", "ledgr", "must be one of the DATABASES aliases"),
-        ("EXPLICIT_REDIS_URL", "127.0.0.1:6379", "must be a redis://, rediss:// or unix:// URL"),
+        (
+            "EXPLICIT_REDIS_URL",
+            "127.0.0.1:6379",
+            "must be a redis://, rediss://, unix:// or sentinel://",
+        ),
         ("EXPLICIT_RABBITMQ_MANAGEMENT_URL", "rabbit:15672", "must be an http:// or https://"),
         ("EXPLICIT_CORRELATION_HEADER", "X Request Id", "must be an HTTP header name"),
     ],

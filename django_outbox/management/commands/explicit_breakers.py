@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis
 from django.core.management.base import BaseCommand
 from django.utils.module_loading import autodiscover_modules
 
 from celery_explicit import downstream as downstream_mod
+from celery_explicit import redis_state
 from celery_explicit.redis_scripts import server_time
 from celery_explicit.task import ExplicitTask
 from django_outbox.conf import settings
@@ -32,7 +32,7 @@ class Command(BaseCommand):
         if not declared:
             self.stdout.write("no downstream declared")
             return
-        client = redis.Redis.from_url(settings.redis_url)
+        client = redis_state.client()  # EXPLICIT_REDIS_URL, Sentinel included
         now_ms = server_time(client) * 1000  # opened_ms is the server's clock
         self.stdout.write(
             f"{'downstream':<24} {'state':<10} {'failures':>8} {'open for':>9} {'slots':>9}"

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis
 from django.core.management.base import BaseCommand, CommandParser
 
-from celery_explicit import locks
-from django_outbox.conf import settings
+from celery_explicit import locks, redis_state
 
 
 class Command(BaseCommand):
@@ -22,7 +20,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        client = redis.Redis.from_url(settings.redis_url)
+        client = redis_state.client()  # EXPLICIT_REDIS_URL, Sentinel included
         live = locks.live_locks(client, prefix=options["prefix"])
         if not live:
             self.stdout.write("no live locks")
