@@ -24,6 +24,10 @@ primary (redis-py's ``SentinelConnectionPool``) and asks again when a connection
 fails, so after a failover the next command reaches the promoted replica. A password
 in the URL is the primary's; ``sentinel_kwargs`` in the transport options go to the
 Sentinels, as kombu passes them.
+
+**On a Redis Cluster.** ``redis+cluster://host:7000,host2:7001``: redis-py's cluster
+client. Our keys carry hash tags (the job's task id, the lock's or entity's name), so
+a script's keys share a slot; the function library is loaded on every primary.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from celery_explicit.conf import settings
@@ -105,6 +110,8 @@ def new_client(url: str, *, keep_one: bool, options: Mapping[str, Any] | None = 
     that stops answering must not stall it. ``options``: Celery's transport options
     for a ``sentinel://`` URL (``master_name``, ``sentinel_kwargs``)."""
     timeouts = {"socket_timeout": 5, "socket_connect_timeout": 5}
+    if url.startswith(CLUSTER_SCHEMES):
+        return cluster_client(url, **timeouts)
     if url.startswith("sentinel://"):
         target = SentinelTarget.parse(url, options or {})
         pool = target.pool(**timeouts)
@@ -114,6 +121,34 @@ def new_client(url: str, *, keep_one: bool, options: Mapping[str, Any] | None = 
     if keep_one:
         return OneConnection.from_url(url, single_connection_client=True, **timeouts)
     return redis.Redis.from_url(url, **timeouts)
+
+
+#: A Redis Cluster: ``redis+cluster://[user:password@]host:port[,host:port...]`` (and
+#: ``rediss+cluster://`` for TLS); redis-py has no URL form of its own for one.
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+def cluster_client(url: str, **connection: Any) -> Any:
+    """redis-py's cluster client for a ``redis+cluster://`` URL: it learns the slots
+    from the nodes given and follows them as they move. Every key of one job, lock or
+    entity shares a hash tag, so each of our scripts touches one slot."""
+    parsed = urllib.parse.urlsplit(url)
+    hosts = parsed.netloc.rpartition("@")[2]
+    nodes = []
+    for host in filter(None, hosts.split(",")):
+        name, _, port = host.rpartition(":") if ":" in host else (host, "", "6379")
+        nodes.append(ClusterNode(name, int(port or 6379)))  # type: ignore[no-untyped-call]
+    if not nodes:
+        raise ValueError(f"{url!r} names no cluster node: redis+cluster://host:port[,...]")
+    if parsed.path.strip("/") not in ("", "0"):
+        raise ValueError(f"{url!r}: a Redis Cluster has database 0 only")
+    return RedisCluster(
+        startup_nodes=nodes,
+        username=urllib.parse.unquote(parsed.username) if parsed.username else None,
+        password=urllib.parse.unquote(parsed.password) if parsed.password else None,
+        ssl=parsed.scheme.startswith("rediss"),
+        **connection,
+    )
 
 
 @dataclass(frozen=True)

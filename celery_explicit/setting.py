@@ -244,12 +244,16 @@ def interface_rule(value: str) -> str | None:
     return 'must be an IP address or a host name ("0.0.0.0" listens on every interface)'
 
 
+STATE_STORE_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis+cluster", "rediss+cluster")
+
+
 def redis_url_rule(value: str) -> str | None:
-    # redis-py's from_url() knows these schemes, and Celery's sentinel:// form goes to
-    # redis-py's Sentinel client (redis_state); "" means the broker or the default.
+    # redis-py's from_url() knows the first three; Celery's sentinel:// form and our
+    # redis+cluster:// go to redis-py's Sentinel and cluster clients (redis_state); ""
+    # means the broker or the default.
     scheme = urllib.parse.urlsplit(value).scheme
-    if value and scheme not in ("redis", "rediss", "unix", "sentinel"):
-        return "must be a redis://, rediss://, unix:// or sentinel:// URL"
+    if value and scheme not in STATE_STORE_SCHEMES:
+        return "must be a redis://, rediss://, unix://, sentinel:// or redis+cluster:// URL"
     return None
 
 

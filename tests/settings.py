@@ -105,7 +105,9 @@ elif _LOG_STYLE == "json":
     }
 
 EXPLICIT_CELERY_APP = "tests.celery_app.app"
-EXPLICIT_REDIS_URL = REDIS_URL
+# EXPLICIT_TEST_STATE_URL: the state store elsewhere than the broker (a private
+# Redis Cluster, a Sentinel group).
+EXPLICIT_REDIS_URL = os.environ.get("EXPLICIT_TEST_STATE_URL", REDIS_URL)
 
 # django_outbox.cache.versioned runs on django-redis; tests give each test its own KEY_PREFIX.
 CACHES = {

@@ -25,6 +25,7 @@ from tests.chaos import history
 from tests.chaos.report import Row, scaled
 from tests.chaos.tasks import ChaosJob, chaos_job_unguarded
 from tests.conftest import RABBITMQ_URL
+from tests.support.cluster import PrivateCluster
 from tests.support.waiting import wait_for
 
 pytestmark = [
@@ -51,8 +52,11 @@ def storm(
     kills_wanted: int = KILLS,
     whole_workers: bool = True,
     quorum: bool = False,
+    state_url: str | None = None,
 ) -> dict[str, Any]:
     env = {"EXPLICIT_TEST_BROKER_URL": broker, "EXPLICIT_TEST_BACKSTOP": "3600"}
+    if state_url:
+        env["EXPLICIT_TEST_STATE_URL"] = state_url  # the workers' leases, on the cluster
     target: str | Queue = queue
     if quorum:
         env["EXPLICIT_TEST_QUEUE_TYPE"] = "quorum"
@@ -108,14 +112,28 @@ def storm(
     }
 
 
-@pytest.mark.parametrize("broker_name", ["redis", "rabbitmq", "rabbitmq-quorum"])
-def test_kill_storm(start_worker, queue, run_id, broker_name, redis_client) -> None:
+@pytest.mark.parametrize("broker_name", ["redis", "redis-cluster", "rabbitmq", "rabbitmq-quorum"])
+def test_kill_storm(start_worker, queue, run_id, broker_name, redis_client, tmp_path) -> None:
     from django.conf import settings
 
-    broker = settings.REDIS_URL if broker_name == "redis" else RABBITMQ_URL
+    broker = RABBITMQ_URL if broker_name.startswith("rabbitmq") else settings.REDIS_URL
     quorum = broker_name == "rabbitmq-quorum"
+    # redis-cluster: the broker is the Redis of the other runs; the state store (the
+    # execution leases, the delivery counts) a private three-node Redis Cluster.
+    cluster = PrivateCluster(tmp_path / "cluster") if broker_name == "redis-cluster" else None
+    state_url = cluster.url if cluster else None
     started = time.monotonic()
-    result = storm(start_worker, ChaosJob(), run_id, queue, broker, quorum=quorum)
+    try:
+        result = storm(
+            start_worker, ChaosJob(), run_id, queue, broker, quorum=quorum, state_url=state_url
+        )
+        if cluster is not None:
+            # The workers kept their state there: execution leases were taken on it.
+            commands = [n.client().info("stats")["total_commands_processed"] for n in cluster.nodes]
+            assert sum(commands) > JOBS, commands
+    finally:
+        if cluster is not None:
+            cluster.stop()
     counts = result["counts"]
     # Most of the control's run time after its effect, and only pool children killed
     # (a whole worker's unguarded jobs would wait for the backstop, not run twice):
