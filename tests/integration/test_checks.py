@@ -242,7 +242,7 @@ def test_a_reconcile_horizon_at_or_below_after_is_an_error() -> None:
         (
             "EXPLICIT_REDIS_URL",
             "127.0.0.1:6379",
-            "must be a redis://, rediss://, unix:// or sentinel://",
+            "must be a redis://, rediss://, unix://, sentinel:// or redis+cluster://",
         ),
         ("EXPLICIT_RABBITMQ_MANAGEMENT_URL", "rabbit:15672", "must be an http:// or https://"),
         ("EXPLICIT_CORRELATION_HEADER", "X Request Id", "must be an HTTP header name"),
