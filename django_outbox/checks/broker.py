@@ -13,6 +13,8 @@ transport defaults.
   waits for the sweep, not for its own lease
 - W003 no broker URL: Celery falls back to a local AMQP broker these checks cannot see
 - W011 RabbitMQ: a task's lease or retry delay is as long as ``consumer_timeout``
+- W014 RabbitMQ without publisher confirms: a relayed event is marked published, and a
+  retry's or deferral's message acked away, on the broker's silence
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "REDIS_URL_SCHEMES",
     "RABBITMQ_URL_SCHEMES",
     "check_broker_url",
+    "check_confirms",
     "check_consumer_timeout",
     "check_visibility",
     "redis_sweep",
@@ -100,6 +103,30 @@ def check_consumer_timeout(app: Any, tasks: list[Any]) -> list[checks.CheckMessa
                 )
             )
     return found
+
+
+def check_confirms(app: Any, tasks: list[Any]) -> list[checks.CheckMessage]:
+    """W014: without publisher confirms, py-amqp's publish returns once the message is
+    written to the socket. The relay then marks its event published, and a job that
+    published its retry or deferral acks the message it ran from: a broker that fails
+    before it has the new message loses the job with nothing left to publish it again.
+    With ``confirm_publish`` each publish waits for the broker's confirm (a quorum
+    queue's, once a majority holds it). On Redis the reply to the write is the confirm."""
+    url = str(app.conf.broker_url or "")
+    if not tasks or not url.startswith(RABBITMQ_URL_SCHEMES):
+        return []
+    if (app.conf.broker_transport_options or {}).get("confirm_publish"):
+        return []
+    return [
+        checks.Warning(
+            f"Celery app {app.main!r} publishes to RabbitMQ without publisher confirms: "
+            "a relayed outbox event is marked published, and a retry's or deferral's "
+            "message replaces the one it ran from, before the broker has it",
+            hint="Set CELERY_BROKER_TRANSPORT_OPTIONS = {'confirm_publish': True} "
+            "(each publish then waits for the broker's confirm).",
+            id="django_outbox.W014",
+        )
+    ]
 
 
 def _redis_visibility_timeout(app: Any) -> float | None:

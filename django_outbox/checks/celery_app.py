@@ -58,6 +58,7 @@ def check_celery_configuration(
     errors += _check_serializers(app)
     errors += broker.check_visibility(app, tasks)
     errors += broker.check_consumer_timeout(app, tasks)
+    errors += broker.check_confirms(app, tasks)
     errors += _check_soft_shutdown(app, tasks)
     errors += broker.check_broker_url(app, tasks)
     errors += _check_unregistered(app)

@@ -372,6 +372,23 @@ def test_a_lease_or_backoff_as_long_as_rabbitmqs_consumer_timeout_is_a_warning(
         conf.broker_url = saved
 
 
+def test_rabbitmq_without_publisher_confirms_is_a_warning(conf: Any) -> None:
+    saved_url, saved_options = conf.broker_url, conf.broker_transport_options
+    try:
+        conf.broker_url = "amqp://guest:guest@127.0.0.1:5672//"
+        conf.broker_transport_options = {}
+        found = [m for m in checks.check_celery_configuration() if m.id == "django_outbox.W014"]
+        assert len(found) == 1 and "without publisher confirms" in found[0].msg
+        assert "confirm_publish" in str(found[0].hint)
+        conf.broker_transport_options = {"confirm_publish": True}
+        assert "django_outbox.W014" not in ids(checks.check_celery_configuration())
+        conf.broker_url = "redis://127.0.0.1:6379/0"  # the write's reply is the confirm
+        conf.broker_transport_options = {}
+        assert "django_outbox.W014" not in ids(checks.check_celery_configuration())
+    finally:
+        conf.broker_url, conf.broker_transport_options = saved_url, saved_options
+
+
 def test_a_soft_shutdown_shorter_than_a_job_is_a_warning(conf: Any) -> None:
     saved = conf.get("worker_soft_shutdown_timeout")
     conf.worker_soft_shutdown_timeout = 0.5
