@@ -5,11 +5,20 @@ it was first published and when it was sent, so a consumer, a log line or an ope
 reads them from the message itself; a re-publish (a retry, a deferral) carries its
 deferral counts too. This module names each header once; the worker reads them back
 from the request (Celery copies each header onto it as an attribute).
+
+``stamp`` builds them, for both senders of our messages: ``ExplicitTask.apply_async``
+and the outbox relay, which sends most of its messages through Celery's send path
+without ``apply_async`` (``django_outbox.outbox.relay.celery_send``). A header added
+here is on both; ``tests/unit/test_message_headers.py`` compares what the two send.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from celery_explicit import correlation, keys, sensitive
 
 #: Message header carrying the rendered key from the moment of publishing.
 KEY_HEADER = "idempotency_key"
@@ -37,3 +46,53 @@ SENT_AT_HEADER = "explicit_sent_at"
 def correlation_of(request: Any) -> str:
     """The request that caused this job: the header, else Celery's root task id."""
     return str(getattr(request, CORRELATION_HEADER, None) or request.root_id or request.id or "")
+
+
+def stamp(
+    task: Any,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    headers: dict[str, Any],
+    options: dict[str, Any],
+    *,
+    republish: bool = False,
+) -> dict[str, Any] | None:
+    """Add our headers to ``headers`` and our message properties to ``options`` (the
+    caller's publish options, both changed in place) for one publish of ``task``, an
+    ExplicitTask, with these arguments. A value the caller gave is kept, but for the key.
+
+    A first publish binds the arguments (``BadInput`` if they do not fit ``run()``),
+    renders the idempotency key from them, names how it was published (``"direct"``
+    unless the caller says ``"on_commit"`` or ``"outbox"``) and is given a correlation
+    id (its caller's context's, else a new one); it returns the arguments the caller
+    gave, for the other keys its mechanisms render (ordering, dedup). A re-publish
+    (``republish``: a retry, a deferral) already carries the job's own headers
+    (``republish.carry_headers``): None.
+
+    Every publish gets the time it is sent, in a header and as the message's AMQP
+    ``timestamp`` (whole seconds: RabbitMQ's management API reports it for a queue's
+    head message, the only way to read its age there), and a task with sensitive
+    fields shows them redacted in what Celery logs and sends in events instead of the
+    arguments (``argsrepr``, ``kwargsrepr``).
+    """
+    contract = task.contract
+    args = tuple(args or ())
+    # Bound as they are (binding reads them): the relay stamps a batch, event by event.
+    kwargs = kwargs if isinstance(kwargs, dict) else dict(kwargs or {})
+    given: dict[str, Any] | None = None
+    if not republish:
+        headers.setdefault(PUBLISHED_VIA_HEADER, "direct")
+        _arguments, given = task.bind_arguments(args, kwargs)
+        headers[KEY_HEADER] = keys.render_key(task.name, contract.idempotency_key, given)
+        if CORRELATION_HEADER not in headers:  # an outbox row has it (outbox.write)
+            headers[CORRELATION_HEADER] = correlation.for_publish()
+    if contract.sensitive:
+        shown_args, shown_kwargs = sensitive.redact(
+            contract.sensitive, contract.signature, args, kwargs
+        )
+        options.setdefault("argsrepr", repr(tuple(shown_args)))
+        options.setdefault("kwargsrepr", repr(shown_kwargs))
+    sent_at = time.time()
+    headers[SENT_AT_HEADER] = sent_at
+    options.setdefault("timestamp", int(sent_at))
+    return given

@@ -8,18 +8,18 @@ Subclass it (or pass ``base=ExplicitTask`` to ``@app.task``) and declare::
     retry_on = (GatewayTimeout,)   # transient: retry with capped, jittered backoff
     fail_on = (CardDeclined,)      # permanent: dead letter after one attempt
 
-This module holds the declarations and the two doors: ``apply_async`` (the key
-rendered into the headers, bad input refused before anything is sent, the dedup id
-and the entity's place claimed) and ``__call__``, which hands a delivered message to
-the job path (``celery_explicit.pipeline``: one step per declared mechanism, then the
-handler, its error classified, one attempt row).
+This module holds the declarations and the two doors: ``apply_async`` (our headers
+stamped, the key among them: ``celery_explicit.headers.stamp``; bad input refused
+before anything is sent; the dedup id and the entity's place claimed) and
+``__call__``, which hands a delivered message to the job path
+(``celery_explicit.pipeline``: one step per declared mechanism, then the handler, its
+error classified, one attempt row).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +30,6 @@ from celery.exceptions import Retry
 
 from celery_explicit import (
     bootsteps,
-    correlation,
     effects,
     keys,
     pipeline,
@@ -43,13 +42,7 @@ from celery_explicit import ordering as ordering_mod
 from celery_explicit import sensitive as sensitive_mod
 from celery_explicit.errors import BadInput, ExplicitError
 from celery_explicit.execution import Execution, current, running
-from celery_explicit.headers import (
-    CORRELATION_HEADER,
-    KEY_HEADER,
-    PUBLISHED_VIA_HEADER,
-    REPLAY_HEADER,
-    SENT_AT_HEADER,
-)
+from celery_explicit.headers import REPLAY_HEADER, stamp
 from celery_explicit.request import ExplicitRequest
 
 if TYPE_CHECKING:
@@ -147,14 +140,15 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         dedup_claim: tuple[str, str] | None = None
         order_key: str | None = None
         taken_place: tuple[str, int] | None = None
-        if options.pop(republish.OPTION, False):
+        republishing = bool(options.pop(republish.OPTION, False))
+        if republishing:
             # Re-publishing this job (a retry, a deferral): it keeps its key, its place
             # and its dedup claim (same task id); nothing is checked again.
             republish.carry_headers(self.request, headers)
-        else:
-            headers.setdefault(PUBLISHED_VIA_HEADER, "direct")
-            _arguments, given = self.bind_arguments(tuple(args or ()), dict(kwargs or {}))
-            headers[KEY_HEADER] = keys.render_key(self.name, self.contract.idempotency_key, given)
+        # Our headers, as the outbox relay stamps them too; bad input raises here,
+        # before anything is claimed.
+        given = stamp(self, args, kwargs, headers, options, republish=republishing)
+        if given is not None:
             ordering = self.contract.ordering
             if ordering is not None:
                 # Rendered before anything is claimed: bad input claims nothing.
@@ -173,21 +167,6 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                 if owner != task_id:
                     return self.AsyncResult(owner)  # dropped: the first message's handle
                 dedup_claim = (dedup_id, task_id)
-            # Born here, at the first publish, unless the caller's context (a web
-            # request, the running job) has one.
-            headers.setdefault(CORRELATION_HEADER, correlation.for_publish())
-        if self.contract.sensitive:
-            # What Celery logs and sends in events instead of the arguments.
-            shown_args, shown_kwargs = sensitive_mod.redact(
-                self.contract.sensitive, self.contract.signature, args or (), kwargs or {}
-            )
-            options.setdefault("argsrepr", repr(tuple(shown_args)))
-            options.setdefault("kwargsrepr", repr(shown_kwargs))
-        sent_at = time.time()
-        headers[SENT_AT_HEADER] = sent_at
-        # AMQP's own timestamp property (whole seconds): RabbitMQ's management API reports
-        # it for a queue's head message, the only way to read its age there.
-        options.setdefault("timestamp", int(sent_at))
         try:
             if order_key is not None:
                 taken_place = (order_key, ordering_mod.take_number(order_key))

@@ -1,7 +1,8 @@
 """The relay's own message building sends what ``task.apply_async`` sent, byte for byte.
 
-The relay builds each event's Celery message itself (``outbox.relay.publish.CeleryMessages``)
-instead of calling ``task.apply_async``, for speed (bench/relay_throughput.py). These
+The relay sends each event's Celery message through its batch's own copy of Celery's
+send path (``outbox.relay.celery_send``) instead of calling ``task.apply_async``, for
+speed (bench/relay_throughput.py). These
 tests publish the same event both ways into one Redis queue and compare the two
 messages as a worker receives them: body, headers and properties, all but the send
 time. A Celery upgrade that changes what ``apply_async`` sends fails here.
@@ -19,11 +20,13 @@ from typing import Any
 import pytest
 import redis
 from celery.signals import after_task_publish, before_task_publish
+from celery.utils.saferepr import saferepr
 
 from celery_explicit.headers import PUBLISHED_VIA_HEADER, SENT_AT_HEADER
 from django_outbox.models import OutboxStatus
+from django_outbox.outbox.relay.celery_send import Batch, Plan
 from django_outbox.outbox.relay.claim import Claimed
-from django_outbox.outbox.relay.publish import CeleryMessages, _Plan, saferepr
+from django_outbox.outbox.relay.publish import CeleryMessages
 from tests.celery_app import app
 from tests.testapp.tasks import (
     ApplyOrderEvent,
@@ -89,12 +92,12 @@ def both_ways(event: Claimed, producer: Any, client: redis.Redis, queue: str) ->
     client.delete(queue)
     task = app.tasks[event.task_name]
     messages = CeleryMessages(app, producer)
-    plan = messages.plan(task)
-    assert plan is not None, "this task takes the relay's own path"
+    assert messages.celery.plan(task) is not None, "this task takes the relay's own path"
     headers = {PUBLISHED_VIA_HEADER: "outbox", **event.headers}
-    messages.send(
-        plan, event.event_id, tuple(event.args), event.kwargs, dict(headers), event.options
+    sent = messages.send(
+        task, event.event_id, tuple(event.args), event.kwargs, dict(headers), event.options
     )
+    assert sent is None, "sent by the batch's own path, not by apply_async"
     task.apply_async(
         tuple(event.args),
         event.kwargs,
@@ -192,9 +195,9 @@ def test_the_publish_signals_see_the_same_message(producer, redis_client, queue)
 
 def test_a_task_claiming_redis_state_at_publish_keeps_apply_async() -> None:
     # A dedup id or an ordering number is claimed by ExplicitTask.apply_async itself.
-    assert _Plan.of(app.tasks[RecordEvent.name]) is None
-    assert _Plan.of(app.tasks[ApplyOrderEvent.name]) is None
-    assert _Plan.of(app.tasks[Increment.name]) is not None
+    assert Plan.of(app.tasks[RecordEvent.name]) is None
+    assert Plan.of(app.tasks[ApplyOrderEvent.name]) is None
+    assert Plan.of(app.tasks[Increment.name]) is not None
 
 
 @pytest.mark.django_db(transaction=True)
@@ -221,10 +224,10 @@ def test_a_deduplicating_task_still_publishes_through_apply_async(
 def test_the_plans_live_for_one_batch(producer) -> None:
     # Built per batch: a changed setting or task is seen by the next batch, and the
     # cache holds at most the task names of one batch.
-    messages = CeleryMessages(app, producer)
-    messages.plan(app.tasks[Increment.name])
-    assert list(messages._plans) == [Increment.name]
-    assert CeleryMessages(app, producer)._plans == {}
+    batch = Batch(app, producer)
+    batch.plan(app.tasks[Increment.name])
+    assert list(batch._plans) == [Increment.name]
+    assert Batch(app, producer)._plans == {}
 
 
 @pytest.mark.parametrize(
@@ -244,6 +247,6 @@ def test_the_plans_live_for_one_batch(producer) -> None:
     ],
 )
 def test_the_argument_repr_is_saferepr(value: Any, producer) -> None:
-    messages = CeleryMessages(app, producer)
-    expected = saferepr(value, 1024, maxlevels=messages.repr_levels)
-    assert messages._repr(value, 1024) == expected
+    batch = Batch(app, producer)
+    expected = saferepr(value, 1024, maxlevels=batch.repr_levels)
+    assert batch._repr(value, 1024) == expected

@@ -110,3 +110,76 @@ def test_kombu_keeps_unacked_messages_in_the_index_the_keeper_moves(
         finally:
             message.ack()
             redis_client.delete(options["global_keyprefix"] + queue.name)
+
+
+# What the relay's copy of Celery's send path (django_outbox.outbox.relay.celery_send)
+# copies: the names each upstream function refers to in Celery 5.7.0. A new step in
+# one of them (a new option, a new setting read) changes its set: re-read the function
+# against the copy, then update the set here.
+SEND_PATH_NAMES = {
+    "Task.apply_async": (
+        "celery.app.task:Task.apply_async",
+        {
+            "AsyncResult", "AttributeError", "ValueError", "__header__", "__v2_compat__",
+            "_dump_pydantic_arguments", "_get_app", "_get_exec_options", "apply", "conf",
+            "denied_join_result", "dict", "dumps", "get", "ignore_result", "loads", "name",
+            "producer_or_acquire", "send_task", "serialization", "serializer", "setdefault",
+            "shadow_name", "soft_time_limit", "task_always_eager", "task_serializer",
+            "time_limit", "typing", "uuid",
+        },
+    ),
+    "Celery.send_task": (
+        "celery.app.base:Celery.send_task",
+        {
+            "AlwaysEagerIgnored", "AsyncResult", "Exchange", "KeyError", "Producer",
+            "_OMITTED", "_get_exec_options", "_reraise_as_library_errors", "_tasks",
+            "add_trail", "amqp", "backend", "calculate_routing_key", "callable", "conf",
+            "connection", "connections", "create_task_message", "current_worker_task",
+            "datetime", "delivery_info", "detect_quorum_queues", "dict", "driver_type",
+            "exchange", "get", "getattr", "hasattr", "id", "ignored", "inspect", "int",
+            "isinstance", "ismethod", "isoparse", "items", "logger", "maybe_list", "name",
+            "now", "on_task_call", "pop", "producer_or_acquire", "producer_pool", "request",
+            "root_id", "route", "router", "routing_key", "send_task_message", "setdefault",
+            "str", "subtract_datetimes", "task_always_eager", "task_inherit_parent_priority",
+            "task_send_sent_event", "thread_oid", "total_seconds", "transport", "type",
+            "uuid", "warn", "warning", "warnings",
+        },
+    ),
+    "Router.route": (
+        "celery.app.routes:Router.route",
+        {
+            "app", "conf", "expand_destination", "lookup_route", "lpmerge", "routes",
+            "task_default_queue",
+        },
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("function", sorted(SEND_PATH_NAMES))
+def test_celerys_send_path_takes_the_steps_the_relay_copies(function: str) -> None:
+    import importlib
+
+    where, names = SEND_PATH_NAMES[function]
+    module, qualname = where.split(":")
+    owner, name = qualname.split(".")
+    code = getattr(getattr(importlib.import_module(module), owner), name).__code__
+    assert set(_code_names(code)) == names
+
+
+def test_the_relay_send_path_reads_what_celery_and_kombu_still_have() -> None:
+    """``celery_send`` reads a task's exec options, its v2 and pydantic flags, the
+    router's parts, the argument reprs' sizes, and kombu's error translation."""
+    from tests.celery_app import app
+    from tests.testapp.tasks import note
+
+    task = app.tasks[note.name]
+    assert isinstance(task._get_exec_options(), dict)
+    assert task.__v2_compat__ is False
+    assert task._dump_pydantic_arguments is None
+    router = app.amqp.router
+    assert isinstance(router.routes, list | tuple)
+    assert callable(router.expand_destination)
+    assert isinstance(app.amqp.argsrepr_maxsize, int)
+    assert isinstance(app.amqp.kwargsrepr_maxsize, int)
+    assert callable(app.amqp.create_task_message) and callable(app.amqp.send_task_message)
+    assert callable(Connection._reraise_as_library_errors)

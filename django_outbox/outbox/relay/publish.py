@@ -12,7 +12,6 @@ to the relay, which backs the whole batch off.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -21,24 +20,21 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.exceptions import QueueNotFound
-from celery.utils.collections import lpmerge
-from celery.utils.nodenames import anon_nodename
-from celery.utils.saferepr import saferepr
 from django.db.models import F
 from django.db.models.functions import Now
-from kombu.common import Broadcast
 
-from celery_explicit import correlation, job_log, keys, sensitive, tracing
+from celery_explicit import job_log, tracing
 from celery_explicit.errors import BadInput, qualname
 from celery_explicit.headers import (
     CORRELATION_HEADER,
     KEY_HEADER,
     PUBLISHED_VIA_HEADER,
-    SENT_AT_HEADER,
+    stamp,
 )
 from celery_explicit.metrics import dead_letters as dead_letters_total
 from celery_explicit.retry_policy import backoff_delay
 from django_outbox.models import DeadLetterReason, OutboxEvent, OutboxStatus
+from django_outbox.outbox.relay import celery_send
 from django_outbox.outbox.relay.broker import BrokerConnection
 from django_outbox.outbox.relay.claim import Claimed
 from django_outbox.outbox.relay.metrics import dead_lettered, publish_failed
@@ -87,7 +83,6 @@ class PublishPolicy:
             )
             return OutboxStatus.DEAD_LETTER
         event_id = event.event_id
-        plan = messages.plan(task)
         try:
             # A span continuing the row's stored trace; its context replaces the stored one.
             with (
@@ -95,26 +90,13 @@ class PublishPolicy:
                 if messages.traced
                 else nullcontext(event.headers)
             ) as headers:
-                if plan is not None:
-                    messages.send(
-                        plan,
-                        event_id,
-                        tuple(event.args),
-                        event.kwargs,
-                        {PUBLISHED_VIA_HEADER: "outbox", **headers},
-                        event.options,
-                    )
-                    return OutboxStatus.PUBLISHED
-                sent = task.apply_async(
+                sent = messages.send(
+                    task,
+                    event_id,
                     tuple(event.args),
                     event.kwargs,
-                    task_id=event_id,
-                    producer=messages.producer,
-                    headers={PUBLISHED_VIA_HEADER: "outbox", **headers},
-                    # Fail fast: the relay's own backoff replaces Celery's publish retries,
-                    # which would hold the whole batch (and its row locks) meanwhile.
-                    retry=False,
-                    **event.options,
+                    {PUBLISHED_VIA_HEADER: "outbox", **headers},
+                    event.options,
                 )
         except BadInput as exc:
             self.dead_letter(
@@ -244,217 +226,57 @@ def _headers(event: Claimed | OutboxEvent) -> dict[str, Any]:
     return event.headers if isinstance(event.headers, dict) else {}
 
 
-# --- the Celery message, built once per event -----------------------------------------
-#
-# ``task.apply_async`` costs about 250 µs an event, most of it not in building the
-# message: six look-ups of Celery settings through Django's (an exception per miss),
-# two ``saferepr`` walks, a copy and bind of the queue for kombu's declare cache, and
-# Celery's routing of options it then merges again. A batch resolves what does not
-# change within it once (``CeleryMessages``), and each event then runs what
-# ``ExplicitTask.apply_async``, ``Task.apply_async`` and ``Celery.send_task`` would have
-# run for it (arguments bound, key rendered, headers, exec options, the router), builds
-# its message with Celery's own ``app.amqp.create_task_message`` and sends it with
-# Celery's own ``app.amqp.send_task_message`` (the before/after_task_publish signals,
-# serializer, delivery mode, exchange). What that path does not cover sends through
-# ``task.apply_async`` as before (``_Plan.of`` says which): the wire is the same either
-# way, which ``tests/integration/test_relay_speed_message.py`` checks message by message.
-# Celery 5.7's code followed here: celery/app/task.py ``Task.apply_async``,
-# celery/app/base.py ``Celery.send_task``, celery/app/amqp.py ``as_task_v2``.
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What a batch sends every event of one task with (resolved once per batch)."""
-
-    task: Any  # a Celery Task; its private parts (exec options, pydantic) are read
-    explicit: bool
-    exec_options: dict[str, Any]
-    backend: Any
-
-    @classmethod
-    def of(cls, task: Any) -> _Plan | None:
-        """None: this task publishes through ``task.apply_async``, one event at a time.
-
-        That is every task whose publish does more than build and send one message: a
-        dedup id or an ordering number to claim in Redis, an ``apply_async`` or
-        ``shadow_name`` of its own, pydantic arguments, an expiry or time limits Celery
-        would refuse."""
-        from celery_explicit.task import ExplicitTask
-
-        explicit = isinstance(task, ExplicitTask)
-        own_apply = type(task).apply_async not in (ExplicitTask.apply_async, Task.apply_async)
-        if (
-            own_apply
-            or type(task).shadow_name is not Task.shadow_name
-            or task.__v2_compat__
-            or task._dump_pydantic_arguments is not None
-            or (explicit and (task.contract.dedup is not None or task.contract.ordering))
-        ):
-            return None
-        exec_options = task._get_exec_options()
-        if exec_options.get("expires") is not None or (
-            task.soft_time_limit and task.time_limit and task.soft_time_limit > task.time_limit
-        ):
-            return None
-        return cls(task, explicit, dict(exec_options), task.backend)
+# --- the Celery message ------------------------------------------------------------
 
 
 class CeleryMessages:
-    """One batch's sender of Celery messages through one producer."""
+    """One batch's sender of Celery messages through one producer.
+
+    Each event's message carries our headers, stamped by the function
+    ``ExplicitTask.apply_async`` stamps them with (``celery_explicit.headers.stamp``),
+    and goes through Celery's send path: the batch's own copy of it where
+    ``celery_send.Plan`` allows (twice as fast), else ``task.apply_async``. Either way
+    Celery's ``before_task_publish`` and ``after_task_publish`` signals fire for it, as
+    for any message ``apply_async`` sends (tests/unit/test_message_headers.py)."""
 
     def __init__(self, app: Celery, producer: Any) -> None:
-        self.app = app
         self.producer = producer
-        conf = app.conf
-        # Inside a worker's task the message would carry its parent's ids: rare enough
-        # for the relay (a test calling drain() from a task) to leave to apply_async.
-        self.enabled = not (
-            conf.task_always_eager or conf.task_send_sent_event or app.current_worker_task
-        )
-        self.repr_levels = conf.task_repr_maxlevels
-        self.default_queue = conf.task_default_queue
-        self.reply_to = app.thread_oid
-        self.origin = anon_nodename()
-        self.amqp = app.amqp
-        self.router: Any = app.amqp.router
-        self.repr_maxsize = (app.amqp.argsrepr_maxsize, app.amqp.kwargsrepr_maxsize)
         self.tasks = app.tasks
         # Off: no span per event (checking costs as much as the rest of the headers).
         self.traced = tracing.enabled()
-        self._plans: dict[str, _Plan | None] = {}
-        self._declared: set[str] = set()
+        self.celery = celery_send.Batch(app, producer)
 
     def task(self, name: str) -> Task[Any, Any] | None:
         """The registered task of that name, None if the relay knows none."""
         task: Task[Any, Any] | None = self.tasks.get(name)
         return task
 
-    def plan(self, task: Task[Any, Any]) -> _Plan | None:
-        # Per batch, so a redeclared task or a changed setting is seen by the next batch;
-        # at most one entry per task name in the batch.
-        name = task.name
-        if name not in self._plans:
-            self._plans[name] = _Plan.of(task) if self.enabled else None
-        return self._plans[name]
-
     def send(
         self,
-        plan: _Plan,
+        task: Task[Any, Any],
         task_id: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         headers: dict[str, Any],
-        stored_options: dict[str, Any],
-    ) -> None:
-        """What ``ExplicitTask.apply_async`` (or Celery's) would send for this event."""
-        task = plan.task
-        options: dict[str, Any] = {}
+        options: dict[str, Any],
+    ) -> Any:
+        """Publish one event's message; returns what ``task.apply_async`` returned, or
+        None when the batch's own send path sent it."""
+        plan = self.celery.plan(task)
+        if plan is None:
+            return task.apply_async(
+                args,
+                kwargs,
+                task_id=task_id,
+                producer=self.producer,
+                headers=headers,
+                # Fail fast: the relay's own backoff replaces Celery's publish retries,
+                # which would hold the whole batch (and its row locks) meanwhile.
+                retry=False,
+                **options,
+            )
+        options = dict(options)
         if plan.explicit:
-            contract = task.contract
-            _arguments, given = task.bind_arguments(args, kwargs)
-            headers[KEY_HEADER] = keys.render_key(task.name, contract.idempotency_key, given)
-            if CORRELATION_HEADER not in headers:  # the row has it (outbox.write)
-                headers[CORRELATION_HEADER] = correlation.for_publish()
-            if contract.sensitive:
-                shown_args, shown_kwargs = sensitive.redact(
-                    contract.sensitive, contract.signature, args, kwargs
-                )
-                options["argsrepr"] = repr(tuple(shown_args))
-                options["kwargsrepr"] = repr(shown_kwargs)
-            sent_at = time.time()
-            headers[SENT_AT_HEADER] = sent_at
-            options["timestamp"] = int(sent_at)
-        elif task.typing:
-            check = getattr(task, "__header__", None)
-            if check is not None:
-                check(*args, **kwargs)
-        options = {**plan.exec_options, **options, **stored_options}
-        options.setdefault("ignore_result", task.ignore_result)
-        time_limit = options.pop("time_limit", None)
-        soft_time_limit = options.pop("soft_time_limit", None)
-        options.pop("expires", None)
-        ignore_result = options.pop("ignore_result", None)
-        options["headers"] = headers
-        options["retry"] = False
-        amqp = self.amqp
-        options = self._route(options, task, args, kwargs)
-        # A sensitive task's redacted reprs stay in the options, as in send_task (which
-        # hands them to kombu as message properties too).
-        reprs = {
-            "argsrepr": options.get("argsrepr") or self._repr(args, self.repr_maxsize[0]),
-            "kwargsrepr": options.get("kwargsrepr") or self._repr(kwargs, self.repr_maxsize[1]),
-        }
-        message = amqp.create_task_message(
-            task_id,
-            task.name,
-            args,
-            kwargs,
-            reply_to=self.reply_to,
-            time_limit=time_limit,
-            soft_time_limit=soft_time_limit,
-            origin=self.origin,
-            ignore_result=ignore_result,
-            **{**options, **reprs},
-        )
-        options.pop("stamped_headers", None)
-        options["declare"] = self._declare(options)
-        producer = self.producer
-        with producer.connection._reraise_as_library_errors():
-            if not ignore_result:
-                plan.backend.on_task_call(producer, task_id)
-            amqp.send_task_message(producer, task.name, message, **options)
-
-    def _route(
-        self, options: dict[str, Any], task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Celery's ``Router.route``; without ``task_routes``, with the default queue's
-        name read once a batch instead of from Django's settings for every event."""
-        router = self.router
-        if router.routes:
-            return router.route(options, task.name, args, kwargs, task)  # type: ignore[no-any-return]
-        options = router.expand_destination(options)
-        if "queue" not in options:
-            # The stubs say lpmerge takes lists; it merges the two dicts.
-            default = router.expand_destination(self.default_queue)
-            options = lpmerge(default, options)  # type: ignore[arg-type,assignment]
-        return options
-
-    def _declare(self, options: dict[str, Any]) -> list[Any]:
-        """Declare the event's queue once per batch, not once per message: kombu's
-        declare cache copies and binds the queue on every look-up."""
-        declare = options.get("declare")
-        if declare is not None:
-            return declare  # type: ignore[no-any-return]
-        queue = options.get("queue")
-        if queue is None and options.get("exchange") is None:
-            queue = self.amqp.default_queue
-        elif isinstance(queue, str):
-            queue = self.amqp.queues[queue]
-        if (
-            queue is not None
-            and not isinstance(queue, Broadcast)
-            and queue.name not in self._declared
-        ):
-            self.producer.maybe_declare(queue)
-            self._declared.add(queue.name)
-        return []
-
-    def _repr(self, value: tuple[Any, ...] | dict[str, Any], maxsize: int) -> str:
-        """What Celery's ``saferepr`` returns, at a thirtieth of its cost where that is
-        sure: ``repr()`` of a flat tuple or dict of scalars whose strings ``saferepr``
-        would not quote differently. Anything else goes through ``saferepr`` itself."""
-        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
-        if all(_plain(item) for item in items):
-            shown = repr(value)
-            if len(shown) <= maxsize:
-                return shown
-        return saferepr(value, maxsize, maxlevels=self.repr_levels)
-
-
-def _plain(value: Any) -> bool:
-    # saferepr quotes every string in single quotes without escaping, and leaves
-    # control characters as they are: repr() agrees only without quotes, backslashes
-    # and unprintable characters.
-    if isinstance(value, str):
-        return value.isprintable() and "'" not in value and '"' not in value and "\\" not in value
-    return value is None or isinstance(value, int | float)
+            stamp(task, args, kwargs, headers, options)
+        self.celery.send_task(plan, task_id, args, kwargs, headers, options)
+        return None
