@@ -6,7 +6,8 @@ commit; then look again, or wait for a NOTIFY (PostgreSQL) or the poll interval.
 
 Its parts, one concern each, beside it in ``django_outbox.outbox.relay``: the claim
 (which rows, locked how, in which order per ordering key: ``claim``), the wake-up
-(``wakeup``), the broker connection (``broker``), the message (``publish``), the lost
+(``wakeup``), the broker connection (``broker``), the message (``publish``, sent by
+``celery_send``), the lost
 (``reconcile``) and the metrics (``metrics``). This module is the loop and the publish
 policy.
 
@@ -25,10 +26,12 @@ out as the message its task's ``apply_async`` sends: the task's own routing and 
 and sets the ``idempotency_key`` header (``BadInput`` is dead-lettered). ``send_task``
 knows only a name. It also means the relay's registry decides: a task name it does not
 know goes to the dead letters (``unknown_task``) instead of to a queue no worker reads.
-For speed, ``django_outbox.outbox.relay.publish.CeleryMessages`` builds that message itself
-(Celery's ``create_task_message`` and ``send_task_message``, settings read once a
-batch); a task that claims Redis state at publish (a dedup id, an ordering number) or
-publishes in a way of its own still goes through ``apply_async``.
+For speed the message is sent through ``celery_send``, the one module that follows
+Celery's own send path from its internals (settings read once a batch; linked to
+Celery's source and checked by tests), with the headers ``celery_explicit.headers``
+stamps for ``apply_async`` too; a task that claims Redis state at publish (a dedup id,
+an ordering number), publishes in a way of its own, or runs on an untested Celery
+still goes through ``apply_async``.
 
 **The Celery app is read, never written.** Celery's settings are read from
 ``task.app.conf`` (once a batch, by the relay's message builder), as in any other
