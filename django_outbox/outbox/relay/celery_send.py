@@ -11,10 +11,10 @@ Why not ``app.send_task(..., producer=producer)``, which takes the batch's produ
 just as well: it costs about twice as much an event, most of it not in building the
 message: six look-ups of Celery settings through Django's (an exception per miss), two
 ``saferepr`` walks, a copy and bind of the queue for kombu's declare cache, and
-Celery's routing of options it then merges again. Measured in one process, one
-producer's pipeline, 2,000 events of bench/relay_throughput.py's task: 90 µs an event
-here, 180 µs through ``app.send_task`` given the reprs and ``declare=[]``, 320 µs
-through ``task.apply_async``; the relay's whole cost is about 125 µs an event at batch
+Celery's routing of options it then merges again. ``scripts/bench relay_send_path.py``
+(one producer's pipeline, 2,000 events, paths interleaved): about 100 µs an event
+here, 2.5 times that through ``app.send_task`` and 2.7 times through
+``task.apply_async``, where the relay's whole cost is about 125 µs an event at batch
 500 (bench/relay_throughput.py, P3b in docs/performance.md).
 
 Used only on the Celery and kombu versions we test (``celery_explicit.versions``), and
