@@ -177,8 +177,8 @@ def test_postgres_restarts(start_worker, queue, run_id, private_pg) -> None:
         lost=counts.lost,
         duplicates=counts.duplicates,
         figures={
-            "effects without ledger row": effects_alone,
-            "ledger rows without effect": ledger_alone,
+            "effects without ledger entry": effects_alone,
+            "ledger entries without effect": ledger_alone,
             "dead-lettered": counts.dead_lettered,
             "dead letters without reason": without_reason,
             "jobs applied on a retry": retried,
