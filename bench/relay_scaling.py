@@ -1,8 +1,9 @@
 """Several outbox relays side by side: events per second with 1, 2 and 4 relay processes,
 with the order per key and the once-only publish checked on what reached the broker.
 
-Each round starts K ``manage.py explicit_relay`` processes (polling every 20 ms) on an
-empty table, then commits a backlog of N events in one transaction: events with an
+Each round starts K ``manage.py explicit_relay`` processes (LISTENing, as deployed) on an
+empty table, then commits a backlog of N events in one transaction, with the NOTIFY a
+writer sends (``--poll-interval 0.02`` instead: relays that poll): events with an
 ordering key (``--keys`` of them, numbered within their key) and, one in
 ``--unkeyed-every``, events without one. Rate = N / (commit -> the last message in
 the Redis queue). Then every message in the queue is read back: an event published
@@ -47,6 +48,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--relays", default="1,2,4", help="relay counts to compare")
     parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument(
+        "--poll-interval", type=float, default=None, help="relays poll this often (no NOTIFY)"
+    )
     args = parser.parse_args()
     counts = [int(c) for c in args.relays.split(",")]
     queue = f"bench-{uuid.uuid4().hex[:8]}"
@@ -55,10 +59,11 @@ def main() -> None:
 
     import redis
     from django.conf import settings as django_settings
-    from django.db import transaction
+    from django.db import connection, transaction
 
     from bench.benchapp.tasks import ExplicitUpdate
     from bench.celery_app import app
+    from django_outbox.conf import settings as explicit
     from django_outbox.models import OutboxEvent
 
     task = app.tasks[ExplicitUpdate.name]
@@ -74,9 +79,10 @@ def main() -> None:
         relays = []
         for _ in range(k):
             # fmt: off
+            polling = ["--poll-interval", str(args.poll_interval)] if args.poll_interval else []
             relay = subprocess.Popen(
                 [sys.executable, "-m", "django", "explicit_relay", "--batch-size",
-                 str(args.batch_size), "--poll-interval", "0.02"],
+                 str(args.batch_size), *polling],
                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             # fmt: on
@@ -115,6 +121,9 @@ def main() -> None:
             rows = backlog()
             with transaction.atomic():
                 OutboxEvent.objects.bulk_create(rows)
+                if not args.poll_interval:
+                    with connection.cursor() as cursor:  # delivered at commit
+                        cursor.execute(f"NOTIFY {explicit.outbox_notify_channel}")
             start = time.perf_counter()
             deadline = start + 600
             while broker.llen(queue) < args.events:
