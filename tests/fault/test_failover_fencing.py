@@ -23,11 +23,10 @@ from pathlib import Path
 import pytest
 
 from celery_explicit import execution_lease, locks
-from celery_explicit.errors import LockNotReplicated, StaleFencingToken
+from celery_explicit.errors import LockNotReplicated
 from celery_explicit.locks import LeaseLock
 from celery_explicit.redis_scripts import SERVER_NOW_MS, Script
-from django_outbox.store.guarded_writes import fenced_update
-from tests.support.replication import PrimaryReplica
+from tests.support.replication import PrimaryReplica, stale_write, tokens
 from tests.support.scale import scaled
 from tests.testapp.models import Profile
 
@@ -71,18 +70,7 @@ def one_round(data_dir: Path, user_id: int, *, control: bool) -> tuple[str, str]
         b = LeaseLock(pair.client(), name, ttl=30.0, prefix="failover:")
         fence_b = b.acquire()
 
-        fenced_update(rows, token=fence_b, data="B")
-        try:
-            fenced_update(rows, token=fence_a, data="A")
-            write = "stale write applied" if rows.get().data == "A" else "newer write kept"
-        except StaleFencingToken:
-            write = "stale write refused"
-        tokens = (
-            "B's token larger"
-            if fence_b > fence_a
-            else ("token handed out twice" if fence_b == fence_a else "token went backwards")
-        )
-        return tokens, write
+        return tokens(fence_a, fence_b), stale_write(rows, fence_a, fence_b)
     finally:
         pair.stop()
 
@@ -161,9 +149,7 @@ def one_takeover(data_dir: Path) -> str:
         b = execution_lease.acquire(task_id, ttl=30.0, client=pair.client())
         assert isinstance(a, execution_lease.Taken) and isinstance(b, execution_lease.Taken)
         assert a.took_over_from and b.took_over_from  # both took over from X
-        if b.fence > a.fence:
-            return "B's token larger"
-        return "token handed out twice" if b.fence == a.fence else "token went backwards"
+        return tokens(a.fence, b.fence)
     finally:
         pair.stop()
 

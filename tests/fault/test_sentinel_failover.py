@@ -23,10 +23,9 @@ import pytest
 import redis
 
 from celery_explicit import locks, redis_state
-from celery_explicit.errors import StaleFencingToken
 from celery_explicit.locks import LeaseLock
-from django_outbox.store.guarded_writes import fenced_update
 from tests.fault.test_failover_fencing import COUNTER_ONLY
+from tests.support.replication import stale_write, tokens
 from tests.support.scale import scaled
 from tests.support.sentinel import DOWN_AFTER_MS, SentinelGroup
 from tests.testapp.models import Profile
@@ -66,17 +65,7 @@ def one_round(data_dir: Path, user_id: int, outages: list[float]) -> tuple[str, 
         outages.append(time.monotonic() - killed)
         assert group.master_port() == group.replica.port  # B's lock is on the promoted one
 
-        fenced_update(rows, token=fence_b, data="B")
-        try:
-            fenced_update(rows, token=fence_a, data="A")
-            write = "stale write applied" if rows.get().data == "A" else "newer write kept"
-        except StaleFencingToken:
-            write = "stale write refused"
-        if fence_b > fence_a:
-            tokens = "B's token larger"
-        else:
-            tokens = "token handed out twice" if fence_b == fence_a else "token went backwards"
-        return tokens, write
+        return tokens(fence_a, fence_b), stale_write(rows, fence_a, fence_b)
     finally:
         group.stop()
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
+from celery_explicit.errors import StaleFencingToken
+from django_outbox.store.guarded_writes import fenced_update
 from tests.support.proxy import CuttableProxy
 from tests.support.servers import PrivateRedis
 
@@ -30,8 +33,12 @@ class PrimaryReplica:
         self.replica = PrivateRedis(
             data_dir / "replica",
             durable=False,
-            extra=["--replicaof", "127.0.0.1", str(self.link.port)],
-        )
+            extra=[
+                "--replicaof", "127.0.0.1", str(self.link.port),
+                # What others (Sentinel) reach the replica at, not the proxy's side.
+                "--replica-announce-ip", "127.0.0.1",
+            ],
+        )  # fmt: skip
         self.replica.start()
         self.promoted = False
         self.wait_in_sync()
@@ -69,3 +76,20 @@ class PrimaryReplica:
         for server in (self.replica, self.primary):
             if server.process is not None:
                 server.stop()
+
+
+def tokens(fence_a: int, fence_b: int) -> str:
+    """How B's token, taken after the failover, stands to A's, taken before it."""
+    if fence_b > fence_a:
+        return "B's token larger"
+    return "token handed out twice" if fence_b == fence_a else "token went backwards"
+
+
+def stale_write(rows: Any, fence_a: int, fence_b: int) -> str:
+    """B writes with its token, then A with its stale one: what became of A's write."""
+    fenced_update(rows, token=fence_b, data="B")
+    try:
+        fenced_update(rows, token=fence_a, data="A")
+    except StaleFencingToken:
+        return "stale write refused"
+    return "stale write applied" if rows.get().data == "A" else "newer write kept"

@@ -1,10 +1,10 @@
 """A private Redis primary, its replica and three Sentinels on loopback: a failover as
 Sentinel performs it, for the state store configured the way users configure it.
 
-The replica replicates through a proxy, so ``sever()`` can lose what the primary writes
-on the way (asynchronous replication's window, made wide); ``kill_primary()`` and
-``wait_for_failover()`` let Sentinel notice (``down-after-milliseconds``), agree
-(quorum 2 of 3) and promote the replica.
+The primary and replica are ``replication.PrimaryReplica``'s (``sever()`` loses what the
+primary writes on the way); ``kill_primary()`` and ``wait_for_failover()`` let Sentinel
+notice (``down-after-milliseconds``), agree (quorum 2 of 3) and promote the replica,
+instead of the pair's own ``fail_over()``.
 """
 
 from __future__ import annotations
@@ -15,30 +15,16 @@ from pathlib import Path
 import redis
 
 from tests.support.ports import free_port
-from tests.support.proxy import CuttableProxy
+from tests.support.replication import PrimaryReplica
 from tests.support.servers import PrivateRedis
 
 MASTER = "explicit-test"
 DOWN_AFTER_MS = 500
 
 
-class SentinelGroup:
+class SentinelGroup(PrimaryReplica):
     def __init__(self, data_dir: Path) -> None:
-        self.primary = PrivateRedis(
-            data_dir / "primary", durable=False, extra=["--repl-diskless-sync-delay", "0"]
-        )
-        self.primary.start()
-        self.link = CuttableProxy(("127.0.0.1", self.primary.port))
-        self.replica = PrivateRedis(
-            data_dir / "replica",
-            durable=False,
-            extra=[
-                "--replicaof", "127.0.0.1", str(self.link.port),
-                # What Sentinel reaches the replica at (not the proxy's side of it).
-                "--replica-announce-ip", "127.0.0.1",
-            ],
-        )  # fmt: skip
-        self.replica.start()
+        super().__init__(data_dir)
         self.sentinels: list[PrivateRedis] = []
         for i in range(3):
             port = free_port()
@@ -55,7 +41,6 @@ class SentinelGroup:
             )
             sentinel.start()
             self.sentinels.append(sentinel)
-        self.wait_in_sync()
         self._wait_sentinels_know_the_replica()
 
     @property
@@ -69,18 +54,6 @@ class SentinelGroup:
             "SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER
         )
         return int(reply[1])
-
-    def wait_in_sync(self, timeout: float = 10.0) -> None:
-        primary = redis.Redis(port=self.primary.port)
-        replica = redis.Redis(port=self.replica.port)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            info = replica.info("replication")
-            offset = primary.info("replication")["master_repl_offset"]
-            if info.get("master_link_status") == "up" and info["slave_repl_offset"] >= offset:
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"the replica did not catch up within {timeout} s")
 
     def _wait_sentinels_know_the_replica(self, timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
@@ -98,10 +71,6 @@ class SentinelGroup:
             time.sleep(0.1)
         raise TimeoutError("the Sentinels did not find the replica and each other")
 
-    def sever(self) -> None:
-        """From now on nothing the primary sends reaches the replica."""
-        self.link.dropping = True
-
     def kill_primary(self) -> None:
         self.primary.kill()
 
@@ -118,7 +87,7 @@ class SentinelGroup:
         raise TimeoutError(f"no failover within {timeout} s")
 
     def stop(self) -> None:
-        self.link.close()
-        for server in (*self.sentinels, self.replica, self.primary):
-            if server.process is not None:
-                server.stop()
+        for sentinel in self.sentinels:
+            if sentinel.process is not None:
+                sentinel.stop()
+        super().stop()
