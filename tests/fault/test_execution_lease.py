@@ -34,6 +34,8 @@ from tests.testapp.tasks import HoldsTheLine, ShipToAddress
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 ROUNDS = scaled(3, 10)  # 10 under scripts/chaos (full scale)
+# Jobs whose connection is dropped mid-run: each holds its worker about 30 s.
+REDELIVERIES = scaled(1, 5)
 
 
 def stop_and_wake(redis_client, queue: str, order_id: int) -> str:  # type: ignore[no-untyped-def]
@@ -134,7 +136,7 @@ def test_rabbitmq_redelivery_after_connection_loss_does_not_run_concurrently(
     worker = start_worker(
         extra_env={"EXPLICIT_TEST_BROKER_URL": RABBITMQ_URL, "EXPLICIT_EXECUTION_LEASE": lease}
     )
-    ops = [uuid.uuid4().hex[:8] for _ in range(3)]
+    ops = [uuid.uuid4().hex[:8] for _ in range(REDELIVERIES)]
     # Either side proves something only if the redelivery arrives before the first run
     # ends, after the consumer's reconnect, which took seconds on a loaded machine: each
     # run holds 15 s. (The execution lease, 10 s, is extended again once the consumer is
