@@ -86,13 +86,14 @@ def test_negative_control_without_extension_the_job_is_redelivered(
         what="every job handed to a second execution",
     )
     # The ledger still keeps the effect single, which is why redelivery alone is not
-    # the bug; running the handler twice (and calling the warehouse twice) is.
-    wait_for(
-        lambda: Attempt.objects.filter(outcome=Outcome.APPLIED).count() == JOBS,
-        timeout=40,
-        what="effects applied",
-    )
-    assert {Counter.objects.get(name=o).value for o in orders} == {1}
+    # the bug; running the handler twice (and calling the warehouse twice) is. With no
+    # extension a job may not be applied at all: each execution can be taken over
+    # before it commits (its lease is shorter than its run, the configuration this
+    # control shows is wrong), so what is asserted is "never twice", after a whole run
+    # past the takeovers for any commit to land.
+    time.sleep(8.0)
+    assert {Counter.objects.get(name=o).value for o in orders} <= {0, 1}
+    assert Attempt.objects.filter(outcome=Outcome.APPLIED).count() <= JOBS
 
 
 def holder_and_other(
