@@ -25,31 +25,19 @@ import pytest
 from celery_explicit import execution_lease, locks
 from celery_explicit.errors import LockNotReplicated
 from celery_explicit.locks import LeaseLock
-from celery_explicit.redis_scripts import SERVER_NOW_MS, Script
-from tests.support.replication import PrimaryReplica, stale_write, tokens
+from tests.support.replication import (
+    COUNTER_ONLY,
+    EXECUTION_COUNTER_ONLY,
+    PrimaryReplica,
+    stale_write,
+    tokens,
+)
 from tests.support.scale import scaled
 from tests.testapp.models import Profile
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 ROUNDS = scaled(10, 50)
-
-# The acquisition before the fix: the counter restarts at the clock only when missing.
-COUNTER_ONLY = Script(
-    "lock_acquire_counter_only_control",
-    """
-if not redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    return false
-end
-if redis.call('exists', KEYS[2]) == 0 then
-    local now = redis.call('time')
-    redis.call('set', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
-end
-local fence = redis.call('incr', KEYS[2])
-redis.call('pexpire', KEYS[2], ARGV[2])
-return fence
-""",
-)
 
 
 def one_round(data_dir: Path, user_id: int, *, control: bool) -> tuple[str, str]:
@@ -108,29 +96,6 @@ def test_replicas_asked_for_hold_the_token_or_the_lock_is_not_taken(tmp_path: Pa
         assert LeaseLock(pair.client(), name, ttl=2.0, prefix="failover:").acquire() > fence
     finally:
         pair.stop()
-
-
-# The execution lease's acquisition before the fix, for its negative control.
-EXECUTION_COUNTER_ONLY = Script(
-    "execution_lease_acquire_counter_only_control",
-    SERVER_NOW_MS
-    + """
-local holder = redis.call('get', KEYS[1])
-if holder and holder ~= ARGV[4] then
-    return {0, holder, redis.call('pttl', KEYS[1])}
-end
-local previous = holder or redis.call('get', KEYS[2]) or ''
-if redis.call('exists', KEYS[3]) == 0 then
-    redis.call('set', KEYS[3], server_time[1] .. string.format('%06d', tonumber(server_time[2])))
-end
-local fence = redis.call('incr', KEYS[3])
-redis.call('expire', KEYS[3], ARGV[3])
-local value = string.format('%.0f', fence) .. '|' .. ARGV[2] .. '|' .. string.format('%.0f', now_ms)
-redis.call('set', KEYS[1], value, 'PX', ARGV[1])
-redis.call('set', KEYS[2], value, 'EX', ARGV[3])
-return {fence, previous}
-""",
-)
 
 
 def one_takeover(data_dir: Path) -> str:

@@ -24,8 +24,7 @@ import redis
 
 from celery_explicit import locks, redis_state
 from celery_explicit.locks import LeaseLock
-from tests.fault.test_failover_fencing import COUNTER_ONLY
-from tests.support.replication import stale_write, tokens
+from tests.support.replication import COUNTER_ONLY, stale_write, tokens
 from tests.support.scale import scaled
 from tests.support.sentinel import DOWN_AFTER_MS, SentinelGroup
 from tests.testapp.models import Profile

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from celery_explicit.errors import StaleFencingToken
+from celery_explicit.redis_scripts import SERVER_NOW_MS, Script
 from django_outbox.store.guarded_writes import fenced_update
 from tests.support.proxy import CuttableProxy
 from tests.support.servers import PrivateRedis
@@ -93,3 +94,44 @@ def stale_write(rows: Any, fence_a: int, fence_b: int) -> str:
     except StaleFencingToken:
         return "stale write refused"
     return "stale write applied" if rows.get().data == "A" else "newer write kept"
+
+
+# The negative controls' scripts: the acquisitions as they were, the counter seeded from
+# the server clock only when missing, so a counter a failover rolled back repeats a token.
+COUNTER_ONLY = Script(
+    "lock_acquire_counter_only_control",
+    """
+if not redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return false
+end
+if redis.call('exists', KEYS[2]) == 0 then
+    local now = redis.call('time')
+    redis.call('set', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
+end
+local fence = redis.call('incr', KEYS[2])
+redis.call('pexpire', KEYS[2], ARGV[2])
+return fence
+""",
+)
+
+
+EXECUTION_COUNTER_ONLY = Script(
+    "execution_lease_acquire_counter_only_control",
+    SERVER_NOW_MS
+    + """
+local holder = redis.call('get', KEYS[1])
+if holder and holder ~= ARGV[4] then
+    return {0, holder, redis.call('pttl', KEYS[1])}
+end
+local previous = holder or redis.call('get', KEYS[2]) or ''
+if redis.call('exists', KEYS[3]) == 0 then
+    redis.call('set', KEYS[3], server_time[1] .. string.format('%06d', tonumber(server_time[2])))
+end
+local fence = redis.call('incr', KEYS[3])
+redis.call('expire', KEYS[3], ARGV[3])
+local value = string.format('%.0f', fence) .. '|' .. ARGV[2] .. '|' .. string.format('%.0f', now_ms)
+redis.call('set', KEYS[1], value, 'PX', ARGV[1])
+redis.call('set', KEYS[2], value, 'EX', ARGV[3])
+return {fence, previous}
+""",
+)

@@ -165,7 +165,7 @@ class Reconciler:
             done.looked_at = len(events)
             if not events:
                 return done
-            ended, unended = self._traces({str(e.event_id) for e in events})
+            ended, unended = traces.of({str(e.event_id) for e in events}, using=self.using)
             seen = [e.id for e in events if str(e.event_id) in ended]
             done.received = len(seen)
             if seen:
@@ -194,9 +194,6 @@ class Reconciler:
         return done
 
     # --- the checks --------------------------------------------------------------
-
-    def _traces(self, ids: set[str]) -> tuple[set[str], dict[str, Unended]]:
-        return traces.of(ids, using=self.using)
 
     def _in_flight(self, task_id: str, broker_client: Any) -> bool:
         """A worker holds the message or runs the job now (its leases are live)."""
