@@ -6,7 +6,9 @@ the fencing token), and answers from what it found:
 
 - held by a live execution: defer this delivery, re-published for a moment before the
   holder's lease could run out, so no pool slot waits on it;
-- free: run, with the lease's fence on the execution;
+- free: run, with the lease's fence on the execution; on a redelivery, write that
+  fence to the database first (an earlier execution's lease record may have been lost
+  in a Redis failover, and its commit must be refused as a takeover's is);
 - taken over from a holder that never released it: write the takeover to the database
   first (the ``Fence`` row that refuses the stale holder's commit), and run; without
   the database, retry rather than run a job whose stale holder could still commit.
@@ -87,6 +89,7 @@ class ExecutionLeaseStep(Step):
             return self._take_over(execution, lease)
         if redelivered:
             metrics.redeliveries.labels(self.task_name, "broker").inc()
+            return self._fence_unleased(execution)
         return RUN
 
     def _take_over(self, execution: Execution, lease: Taken) -> Decision:
@@ -112,6 +115,26 @@ class ExecutionLeaseStep(Step):
             # Keep the lease (it runs out by itself) rather than release it: releasing
             # would erase the "not released" marker, and the retry would then take a
             # fresh lease with no takeover to record.
+            execution.fence = None
+            return RetryLater(exc, _rng.uniform(1.0, 5.0), record=False)
+        return RUN
+
+    def _fence_unleased(self, execution: Execution) -> Decision:
+        """A redelivered job whose lease was free: fence it all the same.
+
+        Free most often means no earlier execution started (the message was prefetched
+        when its worker died) or one released and died before its ack. It also means
+        a Redis failover that lost the lease's keys while an earlier execution still
+        runs: nothing in Redis says it was taken over, so the database must, or that
+        execution's commit would land. One statement per redelivery, never on a first
+        delivery; without the database the job is retried, as a takeover is.
+        """
+        assert execution.fence is not None
+        try:
+            store.get().record_fence(execution.task_id, execution.key, execution.fence)
+        except DatabaseError as exc:
+            # Release: no takeover is lost by it, and the retry takes a fresh lease.
+            give_back(execution)
             execution.fence = None
             return RetryLater(exc, _rng.uniform(1.0, 5.0), record=False)
         return RUN

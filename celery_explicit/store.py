@@ -114,6 +114,11 @@ class Store(Protocol):
         ``previous`` (host:pid) took its lease at ``holder_started_ms`` and lost it by
         ``cause`` (``execution_lease.TakeoverCause``)."""
 
+    def record_fence(self, task_id: str, key: str, fence: int) -> None:
+        """Announce fence ``fence`` of job ``task_id`` naming no execution taken over:
+        a redelivered job found its lease free, and an earlier execution whose lease
+        record was lost (a failover) must not commit."""
+
     def record_hard_timeout(
         self,
         *,

@@ -84,7 +84,8 @@ class Fence(models.Model):
         blank=True,
         default="",
         db_default="",
-        help_text="holder_dead or lease_expired (celery_explicit.execution_lease)",
+        help_text="holder_dead or lease_expired (celery_explicit.execution_lease); unleased: "
+        "a redelivery that found the lease free, naming no holder",
     )
 
     class Meta:

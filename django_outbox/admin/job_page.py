@@ -150,7 +150,7 @@ def _row_url(event: explain.Event) -> str:
             if row_id is None:
                 return ""
             return reverse("admin:django_outbox_outboxevent_change", args=[row_id])
-        if event.kind in ("takeover", "execution"):
+        if event.kind in ("takeover", "execution", "fence"):
             return reverse("admin:django_outbox_fence_change", args=[data["task_id"]])
     except NoReverseMatch:
         return ""

@@ -19,6 +19,7 @@ __all__ = [
     "FENCE",
     "FENCE_CHECK",
     "RESULT",
+    "RAISE_FENCE",
     "STALE_MARKER",
     "TAKEOVER",
 ]
@@ -105,5 +106,19 @@ TAKEOVER = (
     "SET token = excluded.token, idempotency_key = excluded.idempotency_key, "
     "taken_over_from = excluded.taken_over_from, taken_over_at = excluded.taken_over_at, "
     "holder_started_at = excluded.holder_started_at, cause = excluded.cause "
+    "WHERE django_outbox_fence.token < excluded.token"
+)
+
+# RAISE_FENCE - a fence for a redelivered job whose execution lease was free: a newer
+#   token than any earlier execution could hold, with no execution named as taken over
+# %s task_id, token, idempotency_key, taken_over_at
+# returns nothing
+# locks the job's fence row until the statement's autocommit
+# Only the token moves when the row exists: a takeover's row keeps the execution it
+# names (explain counts it), and this one names none (cause 'unleased').
+RAISE_FENCE = (
+    "INSERT INTO django_outbox_fence (task_id, token, idempotency_key, taken_over_from, "
+    "taken_over_at, holder_started_at, cause) VALUES (%s, %s, %s, '', %s, NULL, 'unleased') "
+    "ON CONFLICT (task_id) DO UPDATE SET token = excluded.token "
     "WHERE django_outbox_fence.token < excluded.token"
 )

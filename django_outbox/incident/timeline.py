@@ -42,7 +42,7 @@ _LOST_LEASE = {
 @dataclass
 class Event:
     at: datetime
-    kind: str  # outbox, published, attempt, execution, takeover, effect, dead_letter
+    kind: str  # outbox, published, attempt, execution, takeover, fence, effect, dead_letter
     text: str
     data: dict[str, Any] = field(default_factory=dict)
     #: Seconds since the previous event of the job (None for the first): a wait in the
@@ -170,6 +170,15 @@ def unrecorded_event(fence: Fence, attempts: list[Attempt]) -> Event:
 
 
 def fence_event(fence: Fence, attempts: list[Attempt]) -> Event:
+    if not fence.taken_over_from:
+        return Event(
+            fence.taken_over_at,
+            "fence",
+            f"task {fence.task_id} delivered again, its execution lease free (no earlier "
+            "execution held it, or its record was lost in a Redis failover): fencing token "
+            f"{fence.token} written, so no earlier execution can commit",
+            {"task_id": fence.task_id, "token": fence.token, "cause": fence.cause},
+        )
     return Event(
         fence.taken_over_at,
         "takeover",

@@ -73,9 +73,20 @@ def holder_name(fence: Fence, attempts: list[Attempt]) -> str:
     return f"{host} pid {pid}" if host else fence.taken_over_from
 
 
+#: The cause of a fence that names no holder: a redelivered job found its lease free
+#: and fenced any earlier execution all the same (``execution_lease_step``).
+UNLEASED = "unleased"
+
+
+def takeovers(fences: list[Fence]) -> list[Fence]:
+    """The fences that took a lease over from a holder they name; an ``unleased`` fence
+    names none, so it is no execution and no takeover."""
+    return [f for f in fences if f.taken_over_from]
+
+
 def unrecorded(fences: list[Fence], attempts: list[Attempt]) -> list[Fence]:
     """Takeovers whose holder left no attempt row: executions known only from them."""
-    return [f for f in fences if holder_attempt(f, attempts) is None]
+    return [f for f in takeovers(fences) if holder_attempt(f, attempts) is None]
 
 
 def republished(attempts: list[Attempt]) -> list[Attempt]:
@@ -201,7 +212,7 @@ def verdict(
 
 def _by_cause(fences: list[Fence]) -> dict[str, list[Fence]]:
     grouped: dict[str, list[Fence]] = {}
-    for fence in sorted(fences, key=lambda f: f.taken_over_at):
+    for fence in sorted(takeovers(fences), key=lambda f: f.taken_over_at):
         grouped.setdefault(fence.cause, []).append(fence)
     return grouped
 

@@ -177,6 +177,7 @@ def report(since: datetime, until: datetime, *, using: str | None = None) -> Win
     takeovers = (
         Fence.objects.using(db)
         .filter(taken_over_at__gte=since, taken_over_at__lt=until)
+        .exclude(taken_over_from="")  # a redelivery's fence: counted as a redelivery
         .values_list("idempotency_key", "task_id", "cause", "taken_over_at")
     )
     names = _task_names(db, (t[1] for t in takeovers))

@@ -17,6 +17,7 @@ class DjangoStore:
     attempt_statement = staticmethod(attempts.insert_statement)
     record_attempt = staticmethod(attempts.record_attempt)
     record_takeover = staticmethod(ledger.record_takeover)
+    record_fence = staticmethod(ledger.record_fence)
     record_hard_timeout = staticmethod(unreached.record_hard_timeout)
     record_undecodable = staticmethod(unreached.record_undecodable)
     earlier_key_templates = staticmethod(key_history.earlier)

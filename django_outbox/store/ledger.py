@@ -317,4 +317,15 @@ def record_takeover(
         cursor.execute(ledger_sql.TAKEOVER, params)
 
 
-__all__ = ["Effect", "Statement", "effect", "record_takeover"]
+def record_fence(task_id: str, key: str, fence: int) -> None:
+    """Announce fence ``fence`` of job ``task_id`` with no execution known to hold an
+    older one: a redelivered job found its lease free (``ledger_sql.RAISE_FENCE``).
+
+    An earlier execution may still run with its record lost (a Redis failover that
+    dropped the lease's keys): its commit is refused as a takeover's would be.
+    """
+    with connections[settings.database].cursor() as cursor:
+        cursor.execute(ledger_sql.RAISE_FENCE, [task_id, fence, key[:255], timezone.now()])
+
+
+__all__ = ["Effect", "Statement", "effect", "record_fence", "record_takeover"]

@@ -1,0 +1,121 @@
+"""A redelivered job that finds its execution lease free fences earlier executions.
+
+What a Redis failover loses is the lease's keys: the execution that held them still
+runs, and nothing in Redis says it was taken over. Here the loss is made by deleting
+the keys (the failover itself is ``tests/fault/test_failover_fencing.py``'s and the job
+stream's); the redelivery then writes its token as a fence row, and the earlier
+execution's commit is refused as a takeover's would be. The control is the same scene
+on a first delivery (no redelivery flag): no fence row, and the earlier execution's
+commit lands.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+
+from celery_explicit import execution_lease
+from celery_explicit.errors import LeaseLost
+from celery_explicit.execution import Execution
+from celery_explicit.execution_lease_step import ExecutionLeaseStep
+from celery_explicit.steps import RUN, Job
+from django_outbox.incident import timeline, verdict
+from django_outbox.models import Fence, ProcessedOperation
+from django_outbox.store import ledger
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def delivered(task_id: str, *, redelivered: bool) -> Job:
+    execution = Execution(
+        task_id=task_id,
+        task_name="tests.ship",
+        key=f"ship:{task_id}",
+        fingerprint="f",
+        attempt=1,
+        started_at=dt.datetime.now(dt.UTC),
+        correlation_id="",
+    )
+    request = SimpleNamespace(
+        id=task_id, retries=0, delivery_info={"redelivered": redelivered}, headers={}
+    )
+    return Job(task_name="tests.ship", request=request, execution=execution)
+
+
+def lose_the_lease(client: redis.Redis, task_id: str) -> None:
+    """What a failover of asynchronous replication drops: the lease and its marker."""
+    client.delete(execution_lease.lease_key(task_id), execution_lease.marker_key(task_id))
+
+
+def commit(job: Job, fence: int) -> str:
+    key = job.execution.key
+    try:
+        with ledger.effect(
+            key=key,
+            fingerprint="f",
+            task_name="tests.ship",
+            task_id=job.execution.task_id,
+            fence=fence,
+        ):
+            pass
+    except LeaseLost:
+        return "refused"
+    return "committed"
+
+
+@pytest.mark.parametrize("redelivered", [True, False], ids=["redelivery", "control-first"])
+def test_an_earlier_execution_with_a_lost_record_cannot_commit(
+    redis_client: redis.Redis, redelivered: bool
+) -> None:
+    task_id = uuid.uuid4().hex
+    step = ExecutionLeaseStep("tests.ship", ttl=30.0)
+    earlier = execution_lease.acquire(task_id, ttl=30.0, client=redis_client)
+    assert isinstance(earlier, execution_lease.Taken)
+    lose_the_lease(redis_client, task_id)
+
+    job = delivered(task_id, redelivered=redelivered)
+    assert step.before_run(job) is RUN
+    newer = job.execution.fence
+    assert newer is not None and newer > earlier.fence
+    try:
+        outcome = commit(job, earlier.fence)
+    finally:
+        execution_lease.release(task_id, newer, client=redis_client)
+    if redelivered:
+        fence = Fence.objects.get(task_id=task_id)
+        assert (fence.token, fence.cause, fence.taken_over_from) == (newer, "unleased", "")
+        assert outcome == "refused"
+        assert not ProcessedOperation.objects.filter(key=job.execution.key).exists()
+        assert commit(job, newer) == "committed"  # the redelivered execution's own
+    else:
+        assert not Fence.objects.filter(task_id=task_id).exists()
+        assert outcome == "committed"  # what the fence is for
+
+
+def test_a_redelivery_fence_raises_the_token_and_keeps_a_takeover_it_follows(db: Any) -> None:
+    task_id = uuid.uuid4().hex
+    ledger.record_takeover(task_id, "k", 7, "host:11", cause="holder_dead")
+    ledger.record_fence(task_id, "k", 9)
+    ledger.record_fence(task_id, "k", 8)  # late and older: no effect
+    fence = Fence.objects.get(task_id=task_id)
+    assert (fence.token, fence.taken_over_from, fence.cause) == (9, "host:11", "holder_dead")
+
+
+def test_explain_counts_no_execution_for_a_redelivery_fence(db: Any) -> None:
+    task_id = uuid.uuid4().hex
+    ledger.record_fence(task_id, "k", 5)
+    fences = list(Fence.objects.filter(task_id=task_id))
+    assert verdict.unrecorded(fences, []) == []
+    said = verdict.verdict([], None, [], fences)
+    assert "never ran" in said and "takeover" not in said, said
+    event = timeline.fence_event(fences[0], [])
+    assert event.kind == "fence" and "its execution lease free" in event.text
+    # A takeover is still an execution known from its fence row alone.
+    ledger.record_takeover(task_id, "k", 6, "host:12", cause="holder_dead")
+    fences = list(Fence.objects.filter(task_id=task_id))
+    assert [f.taken_over_from for f in verdict.unrecorded(fences, [])] == ["host:12"]
