@@ -108,7 +108,9 @@ return {fence, previous}
 
 # KEYS[1] - the lease   KEYS[2] - the marker   KEYS[3] - the job's fence counter
 # ARGV[1] - the holder's fence
-# return 1 if released (the three keys deleted), 0 if it was no longer ours
+# return 1 if released (the three keys deleted), 0 if another execution's lease or
+#   marker is there (taken over), 2 if neither is (gone: lost in a failover, or taken
+#   over by an execution that has ended since; only the database tells which)
 # The counter goes with the lease: no execution of the job holds a token any more (an
 # earlier holder that never released was taken over, and its marker is this one's),
 # and a counter made again starts at the server's clock, above every token it gave.
@@ -119,6 +121,9 @@ local value = redis.call('get', KEYS[2])
 if value and string.match(value, '^(%d+)|') == ARGV[1] then
     redis.call('del', KEYS[1], KEYS[2], KEYS[3])
     return 1
+end
+if not value and redis.call('exists', KEYS[1]) == 0 then
+    return 2
 end
 return 0
 """,
@@ -272,8 +277,20 @@ def acquire(task_id: str, *, ttl: float, client: Any | None = None) -> Taken | H
     )
 
 
-def release(task_id: str, fence: int, *, client: Any | None = None) -> bool:
-    """Give the lease back; False when it had already been taken over (logged)."""
+class Released(enum.IntEnum):
+    """What a release found. False only when taken over: ``if release(...)`` reads as
+    "nobody else holds it"."""
+
+    TAKEN_OVER = 0
+    RELEASED = 1
+    #: Neither its lease nor its marker: a Redis failover lost them, or an execution
+    #: that took it over has ended since (its release deleted them). The database's
+    #: fence rows tell which (``execution_lease_step.give_back``).
+    GONE = 2
+
+
+def release(task_id: str, fence: int, *, client: Any | None = None) -> Released:
+    """Give the lease back; ``TAKEN_OVER`` (logged) when another execution holds it."""
     conn = client or redis_state.client()
     head = redis_state.prefix()  # one settings read per job, not one per key
     keys = [
@@ -281,8 +298,8 @@ def release(task_id: str, fence: int, *, client: Any | None = None) -> bool:
         marker_key(task_id, prefix=head),
         fence_key(task_id, prefix=head),
     ]
-    released = bool(call(conn, RELEASE, keys, [fence]))
-    if not released:
+    released = Released(int(call(conn, RELEASE, keys, [fence])))
+    if released is Released.TAKEN_OVER:
         logger.warning(
             "execution lease of job %s (fence %s) was taken over before it ended",
             task_id,

@@ -30,7 +30,7 @@ from django.db import Error as DatabaseError
 
 from celery_explicit import job_log, metrics, store
 from celery_explicit.execution import Execution, delivery
-from celery_explicit.execution_lease import Held, Taken, acquire, enabled, release
+from celery_explicit.execution_lease import Held, Released, Taken, acquire, enabled, release
 from celery_explicit.steps import RUN, Decision, Defer, Ending, Job, RetryLater, Step
 
 if TYPE_CHECKING:
@@ -159,10 +159,43 @@ def give_back(execution: Execution) -> None:
             extra=execution.log_fields(),
         )
         return
+    if released is Released.GONE:
+        released = _gone(execution)
     if not released:
         # Taken over while this execution ran (it was paused past its lease): the
         # job is the newer execution's now, its turn included.
         execution.lost_lease = True
+
+
+def _gone(execution: Execution) -> Released:
+    """The lease's record was not there at the release: taken over by an execution that
+    has ended since (its fence row is newer than ours), or lost in a Redis failover
+    (no newer fence: the job is still this execution's, and a retry must be published,
+    or the job would be lost with it)."""
+    assert execution.fence is not None
+    try:
+        newer = store.get().newer_fence(execution.task_id, execution.fence)
+    except DatabaseError:
+        # Unknown: publishing a retry costs at most a run the ledger absorbs; not
+        # publishing it could lose the job.
+        newer = None
+    if newer is not None:
+        logger.warning(
+            "execution lease of job %s (fence %s) was taken over (fence %s) before it ended",
+            execution.task_id,
+            execution.fence,
+            newer,
+            extra=execution.log_fields(),
+        )
+        return Released.TAKEN_OVER
+    logger.warning(
+        "execution lease of job %s (fence %s) was gone at its release, with no newer "
+        "fence: its record was lost (a Redis failover); the job stays this execution's",
+        execution.task_id,
+        execution.fence,
+        extra=execution.log_fields(),
+    )
+    return Released.GONE
 
 
 def hand_back(execution: Execution | None) -> bool:

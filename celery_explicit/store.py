@@ -119,6 +119,10 @@ class Store(Protocol):
         a redelivered job found its lease free, and an earlier execution whose lease
         record was lost (a failover) must not commit."""
 
+    def newer_fence(self, task_id: str, fence: int) -> int | None:
+        """The fence row's token of job ``task_id`` if newer than ``fence``, else None:
+        has another execution taken the job over, whatever Redis still holds?"""
+
     def record_hard_timeout(
         self,
         *,

@@ -18,6 +18,7 @@ class DjangoStore:
     record_attempt = staticmethod(attempts.record_attempt)
     record_takeover = staticmethod(ledger.record_takeover)
     record_fence = staticmethod(ledger.record_fence)
+    newer_fence = staticmethod(ledger.newer_fence)
     record_hard_timeout = staticmethod(unreached.record_hard_timeout)
     record_undecodable = staticmethod(unreached.record_undecodable)
     earlier_key_templates = staticmethod(key_history.earlier)

@@ -328,4 +328,12 @@ def record_fence(task_id: str, key: str, fence: int) -> None:
         cursor.execute(ledger_sql.RAISE_FENCE, [task_id, fence, key[:255], timezone.now()])
 
 
-__all__ = ["Effect", "Statement", "effect", "record_fence", "record_takeover"]
+def newer_fence(task_id: str, fence: int) -> int | None:
+    """The token of job ``task_id``'s fence row when newer than ``fence`` (``FENCE``)."""
+    with connections[settings.database].cursor() as cursor:
+        cursor.execute(ledger_sql.FENCE, [task_id, fence])
+        row = cursor.fetchone()
+    return None if row is None else int(row[0])
+
+
+__all__ = ["Effect", "Statement", "effect", "newer_fence", "record_fence", "record_takeover"]

@@ -1,12 +1,16 @@
-"""A redelivered job that finds its execution lease free fences earlier executions.
+"""An execution lease whose record Redis lost: fenced all the same, and still the job's.
 
 What a Redis failover loses is the lease's keys: the execution that held them still
 runs, and nothing in Redis says it was taken over. Here the loss is made by deleting
-the keys (the failover itself is ``tests/fault/test_failover_fencing.py``'s and the job
-stream's); the redelivery then writes its token as a fence row, and the earlier
-execution's commit is refused as a takeover's would be. The control is the same scene
-on a first delivery (no redelivery flag): no fence row, and the earlier execution's
-commit lands.
+the keys (the failover itself is ``tests/fault/test_failover_fencing.py``'s and the
+kill storm's).
+
+- A redelivered job that finds its lease free writes its token as a fence row, and the
+  earlier execution's commit is refused as a takeover's would be. Control: the same
+  scene on a first delivery (no redelivery flag): no fence row, the commit lands.
+- The earlier execution, ending, finds its record gone: with no newer fence row the
+  job is still its own (a retry it publishes is not dropped as a taken-over job's
+  would be); with one, it lost the job to the newer execution.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import redis
 from celery_explicit import execution_lease
 from celery_explicit.errors import LeaseLost
 from celery_explicit.execution import Execution
-from celery_explicit.execution_lease_step import ExecutionLeaseStep
+from celery_explicit.execution_lease_step import ExecutionLeaseStep, give_back, hand_back
 from celery_explicit.steps import RUN, Job
 from django_outbox.incident import timeline, verdict
 from django_outbox.models import Fence, ProcessedOperation
@@ -119,3 +123,40 @@ def test_explain_counts_no_execution_for_a_redelivery_fence(db: Any) -> None:
     ledger.record_takeover(task_id, "k", 6, "host:12", cause="holder_dead")
     fences = list(Fence.objects.filter(task_id=task_id))
     assert [f.taken_over_from for f in verdict.unrecorded(fences, [])] == ["host:12"]
+
+
+@pytest.mark.parametrize("newer", [False, True], ids=["record-lost", "taken-over-and-ended"])
+def test_an_execution_whose_record_is_gone_keeps_the_job_unless_fenced(
+    redis_client: redis.Redis, newer: bool
+) -> None:
+    task_id = uuid.uuid4().hex
+    job = delivered(task_id, redelivered=False)
+    assert ExecutionLeaseStep("tests.ship", ttl=30.0).before_run(job) is RUN
+    execution = job.execution
+    assert execution.fence is not None
+    lose_the_lease(redis_client, task_id)
+    if newer:
+        # A newer execution took it over and has ended: its release deleted the keys.
+        ledger.record_takeover(task_id, execution.key, execution.fence + 1, "host:1")
+    released = execution_lease.release(task_id, execution.fence, client=redis_client)
+    assert released is execution_lease.Released.GONE
+    # The retry path: the job's next message is published unless it was taken over.
+    assert hand_back(execution) is (not newer)
+    assert execution.lost_lease is newer
+
+
+def test_a_lease_taken_over_is_lost_without_asking_the_database(
+    redis_client: redis.Redis,
+) -> None:
+    task_id = uuid.uuid4().hex
+    stale = delivered(task_id, redelivered=False).execution
+    taken = execution_lease.acquire(task_id, ttl=0.05, client=redis_client)
+    assert isinstance(taken, execution_lease.Taken)
+    stale.fence = taken.fence
+    redis_client.delete(execution_lease.lease_key(task_id))  # ran out
+    newer = execution_lease.acquire(task_id, ttl=30.0, client=redis_client)
+    assert isinstance(newer, execution_lease.Taken) and newer.took_over_from
+    give_back(stale)
+    assert stale.lost_lease  # the newer execution's marker is there: no fence row needed
+    assert not Fence.objects.filter(task_id=task_id).exists()
+    execution_lease.release(task_id, newer.fence, client=redis_client)
