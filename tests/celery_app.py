@@ -10,6 +10,14 @@ if _skew := float(os.environ.get("EXPLICIT_TEST_CLOCK_SKEW", "0")):
     _host_time = time.time
     time.time = lambda: _host_time() + _skew  # type: ignore[assignment]
 
+# The failover tests' negative control: a redelivered job that finds its execution lease
+# free runs without writing its fence row (what the lease did before it did).
+if os.environ.get("EXPLICIT_TEST_NO_REDELIVERY_FENCE") == "1":
+    from celery_explicit.execution_lease_step import ExecutionLeaseStep
+    from celery_explicit.steps import RUN
+
+    ExecutionLeaseStep._fence_unleased = lambda self, execution: RUN  # type: ignore[method-assign]
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
 app = Celery("tests")

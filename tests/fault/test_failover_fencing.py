@@ -15,6 +15,8 @@ counter, so B gets A's token exactly and A's stale write lands.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from collections import Counter as Tally
@@ -25,6 +27,7 @@ import pytest
 from celery_explicit import execution_lease, locks
 from celery_explicit.errors import LockNotReplicated
 from celery_explicit.locks import LeaseLock
+from django_outbox.models import Attempt, Fence, Outcome
 from tests.support.replication import (
     COUNTER_ONLY,
     EXECUTION_COUNTER_ONLY,
@@ -33,11 +36,16 @@ from tests.support.replication import (
     tokens,
 )
 from tests.support.scale import scaled
-from tests.testapp.models import Profile
+from tests.support.sentinel import SentinelGroup
+from tests.support.waiting import wait_for
+from tests.testapp.models import OrderState, Profile
+from tests.testapp.tasks import ShipToAddress
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 ROUNDS = scaled(10, 50)
+#: Rounds of a stale execution across a Sentinel failover, with real workers.
+STALE_ROUNDS = scaled(2, 10)
 
 
 def one_round(data_dir: Path, user_id: int, *, control: bool) -> tuple[str, str]:
@@ -128,3 +136,89 @@ def test_a_failover_never_hands_out_an_execution_token_twice(
     outcomes = Tally(one_takeover(tmp_path / f"round-{i}") for i in range(ROUNDS))
     expected = "token handed out twice" if control else "B's token larger"
     assert outcomes == Tally({expected: ROUNDS})
+
+
+def stale_across_a_failover(start_worker, redis_client, tmp_path: Path, order_id: int, env):  # type: ignore[no-untyped-def]
+    """Holder A runs the job with its lease on a primary whose writes no longer reach the
+    replica; A is stopped, the primary dies and the Sentinels promote the replica (A's
+    lease is gone); B, started after the failover, gets the job again once A's message
+    lease runs out; A wakes up while B runs and tries to commit."""
+    group = SentinelGroup(tmp_path)
+    workers = []
+    try:
+        env = {**env, "EXPLICIT_TEST_STATE_URL": group.url}
+        # One pool process and a prefetch of one: A's worker takes nothing more while A
+        # is stopped, so the job's next delivery goes to B.
+        workers.append(start_worker(concurrency=1, extra_env=env))
+        group.sever()
+        tag = uuid.uuid4().hex[:8]
+        Profile.objects.create(user_id=order_id, data="old address")
+        ShipToAddress().apply_async(args=[order_id, tag], queue=workers[0].queue)
+        stale_pid = int(
+            wait_for(lambda: redis_client.lindex(f"started:{tag}", 0), timeout=20, what="A")
+        )
+        os.kill(stale_pid, signal.SIGSTOP)
+        redis_client.set(f"stopped:{tag}", 1, ex=60)
+        try:
+            group.kill_primary()
+            group.wait_for_failover()
+            Profile.objects.filter(user_id=order_id).update(data="new address")
+            workers.append(start_worker(concurrency=1, extra_env=env))
+            wait_for(
+                lambda: redis_client.llen(f"started:{tag}") == 2,
+                timeout=30,
+                what="B, after A's message lease ran out",
+            )
+        finally:
+            os.kill(stale_pid, signal.SIGCONT)
+        stale = wait_for(
+            lambda: Attempt.objects.filter(
+                worker_pid=stale_pid, idempotency_key=f"ship:{order_id}"
+            ).first(),
+            timeout=20,
+            what="A's attempt",
+        )
+        redis_client.set(f"proceed:{tag}", 1, ex=60)
+        wait_for(
+            lambda: Attempt.objects.filter(idempotency_key=f"ship:{order_id}").count() == 2,
+            timeout=20,
+            what="B's attempt",
+        )
+        shipped = list(
+            OrderState.objects.filter(order_id=order_id).values_list("status", flat=True)
+        )
+        assert len(shipped) == 1  # the ledger: one effect either way
+        if stale.outcome == Outcome.FENCED and shipped == ["new address"]:
+            return "stale commit refused"
+        if stale.outcome == Outcome.APPLIED and shipped == ["old address"]:
+            return "stale commit applied"
+        return f"unexpected: {stale.outcome} {shipped}"
+    finally:
+        for worker in workers:
+            worker.stop()
+        group.stop()
+
+
+@pytest.mark.worker
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "stale commit refused"),
+        ({"EXPLICIT_TEST_NO_REDELIVERY_FENCE": "1"}, "stale commit applied"),
+    ],
+    ids=["fenced", "negative-control"],
+)
+def test_a_stale_execution_cannot_commit_after_a_failover_lost_its_lease(
+    start_worker, redis_client, tmp_path: Path, env: dict[str, str], expected: str
+) -> None:
+    """The failover lost A's lease, so B finds it free: no takeover is seen in Redis. B's
+    redelivery writes its fence to the database all the same, and A's commit is refused
+    as after a takeover. Negative control: B runs without writing it, and A's stale
+    commit lands (the ledger keeps it to one effect: the wrong one)."""
+    outcomes = Tally(
+        stale_across_a_failover(start_worker, redis_client, tmp_path / f"round-{i}", 7_000 + i, env)
+        for i in range(STALE_ROUNDS)
+    )
+    assert outcomes == Tally({expected: STALE_ROUNDS})
+    if not env:
+        assert Fence.objects.filter(cause="unleased").count() == STALE_ROUNDS
