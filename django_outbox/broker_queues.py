@@ -19,7 +19,10 @@ to its prefetch of messages at once, so a queue of 0 can still have jobs waiting
 worker for a free process. On Redis kombu records each delivered, unacknowledged
 message in its ``unacked`` hash (tag -> ``[message, exchange, routing key]``),
 counted per queue the way kombu would restore it; on RabbitMQ the management API's
-``messages_unacknowledged``.
+``messages_unacknowledged``. The management API's figures are as of its last
+statistics refresh (every ``collect_statistics_interval``, 5 s by default), the
+passive declare's as of now: a message delivered in between is in neither count, so
+its last ``messages_ready`` is kept beside them (``reported_ready``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ class QueueState:
     #: (``unacked_why``).
     unacked: int | None = 0
     unacked_why: str = ""
+    #: RabbitMQ: ready messages as the management API last reported them, which is up
+    #: to its statistics interval (``collect_statistics_interval``, 5 s by default)
+    #: older than ``depth``, as ``unacked`` is. None elsewhere, or when not read.
+    reported_ready: int | None = None
 
 
 def queue_states(app: Any) -> list[QueueState]:
@@ -150,9 +157,12 @@ def _rabbitmq_state(conn: Any, name: str, count: int) -> QueueState:
         return QueueState(name, count, None if count else 0.0, why if count else "", None, why)
     held = info.get("messages_unacknowledged")
     unacked, unacked_why = (int(held), "") if isinstance(held, int) else (None, "not reported")
+    ready = info.get("messages_ready")
     sent_at, why = _head_sent_at(info) if count else (None, "")
     age = 0.0 if not count else None if sent_at is None else max(0.0, time.time() - sent_at)
-    return QueueState(name, count, age, why, unacked, unacked_why)
+    return QueueState(
+        name, count, age, why, unacked, unacked_why, int(ready) if isinstance(ready, int) else None
+    )
 
 
 def _rabbitmq_head_sent_at(conn: Any, queue: str) -> tuple[float | None, str]:

@@ -18,9 +18,11 @@ first one could. The job is followed until it ends: once the latest such attempt
 message is ``EXPLICIT_OUTBOX_RECONCILE_AFTER`` overdue with no newer trace, the job is
 published again (same task id, its retry count kept), as a lost first message is.
 A live message lease record (``lease:<id>``, written while a Redis worker holds the
-message) or a live execution lease (``run:<id>``, while a handler runs) means in
-flight: looked at again later. Only ExplicitTask events are reconciled: a plain task
-leaves none of these, so its silence means nothing.
+message), a live execution lease (``run:<id>``, while a handler runs) or a live
+deferral marker (``deferred:<id>``: a deferral writes no attempt row, so it leaves this
+until ``RECONCILE_AFTER`` after its next message is due, ``celery_explicit.republish``)
+means in flight: looked at again later. Only ExplicitTask events are reconciled: a
+plain task leaves none of these, so its silence means nothing.
 
 **When.** An event is looked at ``EXPLICIT_OUTBOX_RECONCILE_AFTER`` seconds (default
 300) after its publish, and only once its queue has moved past it: the queue is empty
@@ -29,6 +31,38 @@ older than the event still holds it, most likely, so nothing is published again 
 the backlog lasts (a republish of every waiting job would double the backlog, the
 storm this must not start). Where the oldest message's time cannot be read the queue
 is taken to still hold it.
+
+A worker holds messages the queue no longer counts: prefetched for a free process, or
+held until its ETA (a retry's countdown, a deferral's) by a classic queue's consumer.
+On Redis each of them has its lease record (``lease:<id>``, above): the exact answer
+for that one job. RabbitMQ keeps no record of a held message that reconciliation can
+read, and the passive declare counts ready messages only: a queue of 0 can have the
+job waiting in a worker, alive. So on a broker without per-message records the queue
+counts as past the event only when, in the management API's figures as well, nothing
+in it is unacknowledged (``messages_unacknowledged``) and, if the declare finds it
+empty, nothing was ready (those figures are a few seconds older than the declare: a
+message delivered in between is in neither count); figures that cannot be read count
+as "may still hold it". The price: a message lost on a queue its workers never leave
+idle waits for a quiet moment (RabbitMQ loses a confirmed message to a queue deleted or
+purged, rarely otherwise). On Redis the unacknowledged count is not looked at: it is
+never 0 on a busy queue, and would hold back the republish of a message lost in a
+restart (R2, the loss this exists for) for as long as the load lasts.
+
+**One clock.** What a pass compares it compares on PostgreSQL's clock where the choice
+is ours: an event's publish (``published_at``, the database's statement time when the
+relay marked it) and the pass's "now", the relay's clock plus its offset from
+PostgreSQL's, measured once a pass (``clock_timestamp()``, against the midpoint of the
+query's round trip): the relay's own clock drops out. Two times are not ours: a
+queue's oldest message was stamped by its sender (its ``explicit_sent_at`` header on
+Redis, its AMQP ``timestamp`` on RabbitMQ, in whole seconds rounded down) on that
+host's clock, and an attempt's end and its next message's due time by its worker, on
+the worker's clock (which also stamped that retry's message: a retry's head is
+compared on one clock). What remains is those hosts' skew from PostgreSQL,
+milliseconds under NTP. The head counts as sent after the event only ``CLOCK_MARGIN``
+(1 s) later than it: that covers the skew, and the moment between an attempt's row and
+its retry's publish, and costs nothing, since an event is looked at ``RECONCILE_AFTER``
+after its publish, when a queue that moves at all is far past it. (A deferral marker
+expires on the state store's clock, which no other time is compared with.)
 
 **What is published again.** The same message: same task id, arguments, headers and
 options, so the consumer's idempotency key and dedup id absorb a copy whose original
@@ -42,8 +76,10 @@ number after its entity's later events, and be applied after them.
 
 **Cost.** One pass every ``RECONCILE_AFTER / 4`` seconds (at least 1 s), on one relay
 at a time (the rows are claimed ``FOR UPDATE SKIP LOCKED``): a range scan of a partial
-index holding only unchecked published events, three ``task_id IN (...)`` lookups, two
-``EXISTS`` per event without a trace, and a queue look per queue.
+index holding only unchecked published events, three ``task_id IN (...)`` lookups, one
+clock reading, per event without a trace an ``EXISTS`` of two keys on the state store
+(and one on a Redis broker), and a queue look per queue (on RabbitMQ a passive declare
+and one management API request).
 """
 
 from __future__ import annotations
@@ -57,10 +93,9 @@ from celery import Celery
 from django.db import connections, transaction
 from django.db.models import F
 from django.db.models.functions import Now
-from django.utils import timezone
 from prometheus_client import Counter
 
-from celery_explicit import execution_lease, job_log, message_lease, redis_state
+from celery_explicit import execution_lease, job_log, message_lease, redis_state, republish
 from celery_explicit.errors import qualname
 from celery_explicit.headers import KEY_HEADER, PUBLISHED_VIA_HEADER
 from django_outbox import broker_queues
@@ -92,6 +127,15 @@ not_received_total = Counter(
 #: Events looked at in one pass, and rows past the horizon aged out in one pass.
 BATCH = 500
 
+#: Seconds by which a queue's oldest message must have been sent after the event for
+#: the queue to count as past it: its sender's clock against PostgreSQL's (module
+#: docstring, "One clock").
+CLOCK_MARGIN = 1.0
+
+# DATABASE_NOW - PostgreSQL's clock now (epoch seconds); now() would be the
+# transaction's start, which the pass's own statements have already moved past
+DATABASE_NOW = "SELECT extract(epoch FROM clock_timestamp())"
+
 
 @dataclass
 class Reconciled:
@@ -110,6 +154,30 @@ class Reconciled:
     #: The broker failed mid-pass: the rest waits for the next pass.
     broker_error: BaseException | None = None
     ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Clock:
+    """PostgreSQL's clock as a pass reads it: the relay's clock plus ``offset``."""
+
+    offset: float = 0.0
+
+    def now(self) -> float:
+        return time.time() + self.offset
+
+
+@dataclass(frozen=True)
+class Head:
+    """What a pass reads of a queue (``broker_queues.QueueState``)."""
+
+    #: Messages waiting in it now.
+    depth: int
+    #: When its oldest message was sent (epoch s, its sender's clock); None: unreadable.
+    oldest_sent: float | None
+    #: Delivered to a worker, not acknowledged; None: unreadable.
+    unacked: int | None
+    #: RabbitMQ: waiting at the management API's last figures (as old as ``unacked``).
+    reported_ready: int | None = None
 
 
 @dataclass
@@ -171,7 +239,8 @@ class Reconciler:
             if seen:
                 OutboxEvent.objects.using(self.using).filter(id__in=seen).update(checked_at=Now())
             lost: list[tuple[OutboxEvent, Unended | None]] = []
-            overdue_before = time.time() - self.after
+            clock = _database_clock(self.using)
+            overdue_before = clock.now() - self.after
             for event in events:
                 task_id = str(event.event_id)
                 if task_id in ended:
@@ -182,7 +251,7 @@ class Reconciler:
                     continue
                 lost.append((event, latest))
             try:
-                self._settle(lost, done)
+                self._settle(lost, done, clock)
             except self._broker_errors() as exc:
                 done.broker_error = exc
                 logger.warning(
@@ -196,20 +265,29 @@ class Reconciler:
     # --- the checks --------------------------------------------------------------
 
     def _in_flight(self, task_id: str, broker_client: Any) -> bool:
-        """A worker holds the message or runs the job now (its leases are live)."""
-        if redis_state.client().exists(execution_lease.lease_key(task_id)):
+        """A worker holds the message or runs the job now (its leases are live), or a
+        deferral of it has published its next message (its marker is live)."""
+        # One EXISTS: both keys carry the task id's hash tag (one slot on a cluster).
+        head = redis_state.prefix()
+        keys = (
+            execution_lease.lease_key(task_id, prefix=head),
+            republish.deferral_key(task_id, prefix=head),
+        )
+        if redis_state.client().exists(*keys):
             return True
         return bool(
             broker_client is not None and broker_client.exists(message_lease.record_key(task_id))
         )
 
-    def _settle(self, lost: list[tuple[OutboxEvent, Unended | None]], done: Reconciled) -> None:
+    def _settle(
+        self, lost: list[tuple[OutboxEvent, Unended | None]], done: Reconciled, clock: Clock
+    ) -> None:
         if not lost:
             return
         with self.app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1)
             broker_client = _redis_client(conn)
-            heads: dict[str, tuple[int, float | None]] = {}
+            heads: dict[str, Head] = {}
             producer = conn.Producer(auto_declare=True)
             for event, latest in lost:
                 task = self.app.tasks.get(event.task_name)
@@ -225,18 +303,18 @@ class Reconciler:
                     continue
                 queue = self._queue_of(task, event)
                 if queue not in heads:
-                    heads[queue] = _queue_head(conn, queue)
+                    heads[queue] = _head(broker_queues.queue_state(conn, queue))
                 # The message to look past: the first publish, or the latest attempt's
                 # next one (published when that attempt ended).
                 sent = latest.sent if latest else _timestamp(event.published_at)
-                if not _queue_is_past(heads[queue], sent):
+                if not _queue_is_past(heads[queue], sent, records=broker_client is not None):
                     done.queued += 1
                     continue
                 if event.ordering_key or event.republished >= self.limit:
                     self._dead_letter(event)
                     done.dead_lettered += 1
                 else:
-                    self._republish(task, event, producer, latest)
+                    self._republish(task, event, producer, clock, latest)
                     done.republished += 1
                 done.ids.append(task_id)
 
@@ -253,7 +331,12 @@ class Reconciler:
     # --- the two outcomes ----------------------------------------------------------
 
     def _republish(
-        self, task: Any, event: OutboxEvent, producer: Any, latest: Unended | None = None
+        self,
+        task: Any,
+        event: OutboxEvent,
+        producer: Any,
+        clock: Clock,
+        latest: Unended | None = None,
     ) -> None:
         headers = dict(event.headers) if isinstance(event.headers, dict) else {}
         options = dict(event.options) if isinstance(event.options, dict) else {}
@@ -271,10 +354,10 @@ class Reconciler:
         )
         assert event.published_at is not None
         if latest is not None:
-            waited = time.time() - latest.next_due
+            waited = clock.now() - latest.next_due
             what = f"its retry after attempt {latest.attempt} was {waited:.0f}s overdue"
         else:
-            waited = (timezone.now() - event.published_at).total_seconds()
+            waited = clock.now() - event.published_at.timestamp()
             what = f"no worker had received it {waited:.0f}s after its publish"
         OutboxEvent.objects.using(self.using).filter(id=event.id).update(
             republished=F("republished") + 1,
@@ -351,23 +434,49 @@ class Reconciler:
         )
 
 
-def _queue_head(conn: Any, queue: str) -> tuple[int, float | None]:
-    """The queue's depth and when its oldest message was sent (None: unreadable)."""
-    state = broker_queues.queue_state(conn, queue)
+def _database_clock(using: str) -> Clock:
+    """PostgreSQL's clock, read once: its time against the midpoint of the query's
+    round trip on the relay's clock. Another database (SQLite) is a file on the relay's
+    host: its clock is the relay's."""
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        return Clock()
+    before = time.time()
+    with connection.cursor() as cursor:
+        cursor.execute(DATABASE_NOW)
+        (database_now,) = cursor.fetchone()
+    return Clock(float(database_now) - (before + time.time()) / 2)
+
+
+def _head(state: broker_queues.QueueState) -> Head:
+    """The queue as a pass compares it. The oldest message's sending time is its
+    sender's stamp: ``oldest_age`` was measured against the relay's clock a moment ago,
+    and adding that clock back cancels it (a stamp ahead of the relay's clock reads as
+    now, which is past any event a pass looks at)."""
     if state.depth == 0 or state.oldest_age is None:
-        return state.depth, None
-    return state.depth, time.time() - state.oldest_age
+        return Head(state.depth, None, state.unacked, state.reported_ready)
+    return Head(state.depth, time.time() - state.oldest_age, state.unacked, state.reported_ready)
 
 
-def _queue_is_past(head: tuple[int, float | None], sent: float | None) -> bool:
-    """The queue is empty, or its oldest message was sent after ``sent`` (epoch s).
-    Unreadable: taken to still hold it."""
-    depth, oldest_sent = head
-    if depth == 0:
-        return True
-    if oldest_sent is None or sent is None:
+def _workers_may_hold(head: Head) -> bool:
+    """On a broker without per-message records (RabbitMQ): a worker may hold the job's
+    message, alive. The management API's figures say it: a message unacknowledged, or
+    one ready while the (newer) declare finds none, delivered since; unread, it may."""
+    return head.unacked != 0 or (head.depth == 0 and head.reported_ready != 0)
+
+
+def _queue_is_past(head: Head, sent: float | None, *, records: bool) -> bool:
+    """The queue has moved past a message sent at ``sent`` (epoch s): it is empty, or
+    its oldest message was sent ``CLOCK_MARGIN`` after it; and, where the broker keeps
+    no per-message ``records``, no worker holds any of its messages. Unreadable: taken
+    to still hold it."""
+    if not records and _workers_may_hold(head):
         return False
-    return oldest_sent > sent
+    if head.depth == 0:
+        return True
+    if head.oldest_sent is None or sent is None:
+        return False
+    return head.oldest_sent > sent + CLOCK_MARGIN
 
 
 def _timestamp(value: Any) -> float | None:
