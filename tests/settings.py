@@ -83,6 +83,10 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 if os.environ.get("EXPLICIT_TEST_QUEUE_TYPE") == "quorum":
     CELERY_TASK_DEFAULT_QUEUE_TYPE = "quorum"
     CELERY_BROKER_TRANSPORT_OPTIONS["confirm_publish"] = True
+# EXPLICIT_TEST_CONFIRM_PUBLISH=1 or 0: publisher confirms on or off whatever the queue
+# type (tests/integration/test_publisher_confirms.py and its negative control).
+if (_confirms := os.environ.get("EXPLICIT_TEST_CONFIRM_PUBLISH")) is not None:
+    CELERY_BROKER_TRANSPORT_OPTIONS["confirm_publish"] = _confirms == "1"
 
 # The log tests (tests/integration/test_job_logs.py) start workers logging as a user's
 # would: "celery" is Celery's own set-up (`celery worker -l INFO`, its default format);

@@ -123,6 +123,37 @@ class RetryThenSucceed(ExplicitTask):
             Counter.objects.filter(name=name).update(value=F("value") + 1)
 
 
+class RetriesUntilHealed(ExplicitTask):
+    """Raises a retryable error until the test heals it (a Redis key); execution N
+    first tells the test it started and waits for the test's go-ahead for N (the
+    publisher-confirms test makes the broker refuse the retry's message meanwhile)."""
+
+    name = "tests.retries_until_healed"
+    idempotency_key = "heal:{name}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = (TransientError,)
+    fail_on = ()
+    backoff_base = 0.05
+    backoff_cap = 0.1
+
+    def run(self, name: str) -> None:
+        import redis
+        from django.conf import settings
+
+        client = redis.Redis.from_url(settings.REDIS_URL)
+        run = client.rpush(f"started:{name}", os.getpid())
+        deadline = time.monotonic() + 30
+        while not client.exists(f"go:{name}:{run}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not client.exists(f"healed:{name}"):
+            raise TransientError("not healed yet")
+        with self.effect() as eff:
+            if eff.done:
+                return
+            Counter.objects.filter(name=name).update(value=F("value") + 1)
+
+
 class Declined(ExplicitTask):
     name = "tests.declined"
     idempotency_key = "payment:{payment_id}:capture"
@@ -385,6 +416,7 @@ app.register_task(KillsItsWorkerUnlimited())
 app.register_task(NestedEffect())
 app.register_task(SlowShip())
 app.register_task(RecordEvent())
+app.register_task(RetriesUntilHealed())
 app.register_task(ShortDedup())
 app.register_task(Increment())
 app.register_task(AlwaysTransient())

@@ -7,6 +7,13 @@ the dead letters at once; other errors are recorded on the row (``attempts``,
 ``EXPLICIT_OUTBOX_MAX_ATTEMPTS``, then dead-lettered (``exhausted``) so the event stops
 holding back its ordering key. A broker outage is not the event's fault: it is raised
 to the relay, which backs the whole batch off.
+
+**Confirmed, or not published.** With publisher confirms (RabbitMQ's
+``confirm_publish``, check W014) a publish returns once the broker has the message,
+so an event is marked published only then. A message the broker refuses (a
+``basic.nack``: a queue at its length limit with ``overflow: reject-publish``, say)
+is this event's failure, not an outage: kombu raises it as its ``OperationalError``,
+and the relay would otherwise back the whole outbox off for one full queue.
 """
 
 from __future__ import annotations
@@ -108,8 +115,11 @@ class PublishPolicy:
             # errors: caught first, or one event naming a removed queue would look like
             # a broker outage and hold the whole outbox back forever.
             return self.fail(event, exc)
-        except self.broker.errors():
-            raise
+        except self.broker.errors() as exc:
+            refused = _refusal(exc)
+            if refused is None:
+                raise
+            return self.fail(event, refused)
         except Exception as exc:
             # Anything else this one event raises is its own problem: it must not stop
             # the events after it.
@@ -206,6 +216,27 @@ def dead_letter_event(
         status=OutboxStatus.DEAD_LETTER, last_error=message[:4000], **(columns or {})
     )
     dead_letters_total.labels(event.task_name, reason.value).inc()
+
+
+class BrokerRefused(Exception):
+    """The broker answered a publish with a ``basic.nack``: it is up, and did not take
+    this message."""
+
+
+def _refusal(exc: BaseException) -> BrokerRefused | None:
+    """The broker's refusal behind ``exc`` (py-amqp's ``MessageNacked``, which kombu
+    re-raises as an ``OperationalError``), or None for anything else."""
+    from amqp.exceptions import MessageNacked
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, MessageNacked):
+            return BrokerRefused(
+                "the broker refused the message (basic.nack): a queue at its length "
+                "limit with overflow reject-publish, or a broker-side error"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def log_fields(event: Claimed | OutboxEvent, **more: Any) -> dict[str, Any]:
