@@ -56,7 +56,7 @@ def main() -> None:
         return f"UPDATE {row_table} SET value = value + 1 WHERE id = {i % 100}"
 
     def claim(sql: str, key: str) -> str:
-        params = [key, "bench", key, "f", "2026-11-30T00:00:00Z"]
+        params = [key, "bench", key, "f", "2026-11-30T00:00:00Z", "bench"]
         if sql is CLAIM_OR_READ:
             params.append(key)
         return quote(sql, params)

@@ -29,6 +29,7 @@ from celery_explicit.setting import (
     Problem,
     Relation,
     Setting,
+    app_version_rule,
     database_alias_rule,
     flag,
     header_name_rule,
@@ -192,6 +193,10 @@ class Settings:
     #: The interface the worker's and the relay's metrics ports listen on;
     #: "0.0.0.0" opens it to the network (then set ``EXPLICIT_METRICS_TOKEN``).
     worker_metrics_bind: Setting[str] = Setting("127.0.0.1", text, env=True, check=interface_rule)
+
+    #: The version of the code a worker runs, stamped on every attempt, dead letter and
+    #: ledger entry (``celery_explicit.app_version``); "" looks it up.
+    app_version: Setting[str] = Setting("", text, env=True, check=app_version_rule)
 
     #: The request header ``CorrelationMiddleware`` takes a web request's id from.
     correlation_header: Setting[str] = Setting("X-Request-ID", text, check=header_name_rule)

@@ -16,7 +16,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from celery_explicit import job_log, metrics, sensitive, store
+from celery_explicit import app_version, job_log, metrics, sensitive, store
 from celery_explicit.errors import qualname
 from celery_explicit.execution import Execution, delivery
 from celery_explicit.headers import (
@@ -54,8 +54,10 @@ def attempt_fields(
     deferrals: dict[str, int] | None = None,
     published_key: str = "",
     sent_at: dt.datetime | None = None,
+    version: str | None = None,
 ) -> dict[str, Any]:
-    """The columns of one attempt row (column names equal the field names)."""
+    """The columns of one attempt row (column names equal the field names).
+    ``version``: the code's (``app_version.current()`` unless given)."""
     return dict(
         task_id=task_id,
         task_name=task_name,
@@ -81,6 +83,7 @@ def attempt_fields(
         deferrals=deferrals or None,
         published_key=published_key[:255],
         sent_at=sent_at,
+        app_version=app_version.current() if version is None else version[:64],
     )
 
 

@@ -278,6 +278,15 @@ def database_alias_rule(value: str) -> str | None:
     return None
 
 
+def app_version_rule(value: str) -> str | None:
+    # Stored in a 64-character column and shown on one line of explain and the admin.
+    if len(value) > 64:
+        return f"must be at most 64 characters (it has {len(value)})"
+    if value and not re.fullmatch(r"[\x21-\x7e]+", value):
+        return "must be printable ASCII with no spaces (a tag, a commit, a build number)"
+    return None
+
+
 def header_name_rule(value: str) -> str | None:
     # RFC 9110 token characters: anything else is no header a request can carry.
     if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", value):

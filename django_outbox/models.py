@@ -46,6 +46,13 @@ class ProcessedOperation(models.Model):
     fingerprint = models.CharField(max_length=64, help_text="sha256 of the call's arguments")
     result_ref = models.CharField(max_length=255, blank=True, default="")
     processed_at = models.DateTimeField()
+    app_version = models.CharField(
+        max_length=64,
+        blank=True,
+        default="",
+        db_default="",
+        help_text="version of the code that applied it (celery_explicit.app_version)",
+    )
 
     class Meta:
         db_table = "django_outbox_processed_operation"
@@ -150,6 +157,13 @@ class Attempt(models.Model):
     sent_at = models.DateTimeField(
         null=True, blank=True, help_text="when the message this attempt ran was published"
     )
+    app_version = models.CharField(
+        max_length=64,
+        blank=True,
+        default="",
+        db_default="",
+        help_text="version of the code that ran it (celery_explicit.app_version)",
+    )
 
     class Meta:
         db_table = "django_outbox_attempt"
@@ -250,6 +264,13 @@ class DeadLetter(models.Model):
     replayed_task_id = models.CharField(max_length=255, blank=True, default="")
     resolved_at = models.DateTimeField(null=True, blank=True)
     resolved_by = models.CharField(max_length=150, blank=True, default="")
+    app_version = models.CharField(
+        max_length=64,
+        blank=True,
+        default="",
+        db_default="",
+        help_text="version of the code that wrote it (celery_explicit.app_version)",
+    )
 
     class Meta:
         db_table = "django_outbox_dead_letter"

@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 # CLAIM - the job's key, claimed by inserting its ledger entry first
-# %s key, task_name, task_id, fingerprint, processed_at
+# %s key, task_name, task_id, fingerprint, processed_at, app_version
 # returns one row (the key) when this transaction claimed it; no row when another
 #   transaction holds it or committed it
 # locks the key in the primary key's index until this transaction ends: a concurrent
@@ -35,8 +35,8 @@ __all__ = [
 # key is the primary key, so its unique index is the claim, with no second index.
 CLAIM = (
     "INSERT INTO django_outbox_processed_operation "
-    "(key, task_name, task_id, fingerprint, result_ref, processed_at) "
-    "VALUES (%s, %s, %s, %s, '', %s) ON CONFLICT (key) DO NOTHING RETURNING key"
+    "(key, task_name, task_id, fingerprint, result_ref, processed_at, app_version) "
+    "VALUES (%s, %s, %s, %s, '', %s, %s) ON CONFLICT (key) DO NOTHING RETURNING key"
 )
 
 # EXISTING - the stored entry of a key, read when the claim lost

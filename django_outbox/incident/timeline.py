@@ -112,6 +112,8 @@ def attempt_event(attempt: Attempt, attempts: list[Attempt], fences: list[Fence]
         notes.append(f"published {attempt.published_via.replace('_', ' ')}")
     if attempt.deferrals:
         notes.append("deferred before: " + verdict.deferral_text(attempt.deferrals))
+    if attempt.app_version:
+        notes.append(f"version {attempt.app_version}")
     for fence in fences:
         if verdict.holder_attempt(fence, [attempt]) is attempt:
             notes.append(
@@ -139,6 +141,7 @@ def attempt_event(attempt: Attempt, attempts: list[Attempt], fences: list[Fence]
         "published_via": attempt.published_via,
         "deferrals": attempt.deferrals or {},
         "sent_at": attempt.sent_at,
+        "app_version": attempt.app_version,
     }
     return Event(attempt.started_at, "attempt", text, data)
 

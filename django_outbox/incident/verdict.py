@@ -137,10 +137,12 @@ def verdict(
         first = applied[0]
         effect = (
             f"effect applied once at {stamp(ledger.processed_at)} by {first.worker_host} "
-            f"pid {first.worker_pid}"
+            f"pid {first.worker_pid}" + _version(first.app_version)
         )
     elif ledger is not None:
-        effect = f"effect applied once at {stamp(ledger.processed_at)}"
+        effect = f"effect applied once at {stamp(ledger.processed_at)}" + _version(
+            ledger.app_version
+        )
     else:
         effect = "effect not applied"
     letters = sorted(letters, key=lambda d: (d.last_attempt, d.pk))
@@ -208,6 +210,11 @@ def verdict(
     runs = len(attempts) + len(unrecorded(fences, attempts))
     ran = f"ran {runs} time{'s' if runs != 1 else ''}" if runs else "never ran"
     return f"{effect}; {ran}" + (f": {'; '.join(causes)}." if causes else ".")
+
+
+def _version(version: str) -> str:
+    """`` (version 1.4.2)``, or nothing when the row does not say."""
+    return f" (version {version})" if version else ""
 
 
 def _by_cause(fences: list[Fence]) -> dict[str, list[Fence]]:

@@ -19,6 +19,7 @@ window's takeovers and dead letters (``bench/window_million.py``).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, time, timedelta
@@ -55,9 +56,13 @@ class Group:
     label: str
     events: int = 0
     jobs: dict[str, Job] = field(default_factory=dict)
+    #: Events by the version of the code that wrote them ("" where a row does not say):
+    #: "did the deploy cause this?" at a glance.
+    versions: Counter[str] = field(default_factory=Counter)
 
-    def add(self, key: str, task_id: str, task_name: str, at: datetime) -> None:
+    def add(self, key: str, task_id: str, task_name: str, at: datetime, version: str = "") -> None:
         self.events += 1
+        self.versions[version] += 1
         job = self.jobs.get(key or task_id)
         if job is None:
             job = self.jobs[key or task_id] = Job(key or task_id, task_id, task_name, at)
@@ -91,6 +96,7 @@ class Window:
                     "label": g.label,
                     "events": g.events,
                     "jobs": len(g.jobs),
+                    "versions": dict(g.versions.most_common()),
                     "named": [
                         {
                             "key": j.key,
@@ -118,6 +124,8 @@ class Window:
         ]
         for g in self.groups:
             lines.append(f"{g.label}: {g.events} time(s), {len(g.jobs)} job(s)")
+            if set(g.versions) != {""}:
+                lines.append("  by version: " + _versions_text(g.versions))
             for j in g.named(limit):
                 lines.append(
                     f"  {times.shown(j.first_at)}  {j.key}  ({j.task_name}[{j.task_id}]"
@@ -127,6 +135,10 @@ class Window:
             if len(g.jobs) > limit:
                 lines.append(f"  ... and {len(g.jobs) - limit} more")
         return "\n".join(lines)
+
+
+def _versions_text(versions: Counter[str]) -> str:
+    return ", ".join(f"{v or 'unknown'} {n}x" for v, n in versions.most_common())
 
 
 def report(since: datetime, until: datetime, *, using: str | None = None) -> Window:
@@ -161,18 +173,20 @@ def report(since: datetime, until: datetime, *, using: str | None = None) -> Win
             "redelivered",
             "deferrals",
             "started_at",
+            "app_version",
         )
     )
-    for key, task_id, task_name, outcome, redelivered, deferrals, at in unusual.iterator(
+    for key, task_id, task_name, outcome, redelivered, deferrals, at, version in unusual.iterator(
         chunk_size=5000
     ):
+        job = (key, task_id, task_name, at, version)
         if outcome not in ORDINARY:
-            group(f"outcome:{outcome}", Outcome(outcome).label).add(key, task_id, task_name, at)
+            group(f"outcome:{outcome}", Outcome(outcome).label).add(*job)
         if redelivered:
-            group("redelivered", "redelivered by the broker").add(key, task_id, task_name, at)
+            group("redelivered", "redelivered by the broker").add(*job)
         for why in deferrals or {}:
             label = f"deferred: {verdict.DEFERRALS.get(why, why)}"
-            group(f"deferred:{why}", label).add(key, task_id, task_name, at)
+            group(f"deferred:{why}", label).add(*job)
 
     takeovers = (
         Fence.objects.using(db)
@@ -188,11 +202,13 @@ def report(since: datetime, until: datetime, *, using: str | None = None) -> Win
     letters = (
         DeadLetter.objects.using(db)
         .filter(first_seen__gte=since, first_seen__lt=until)
-        .values_list("idempotency_key", "task_id", "task_name", "reason", "first_seen")
+        .values_list(
+            "idempotency_key", "task_id", "task_name", "reason", "first_seen", "app_version"
+        )
     )
-    for key, task_id, task_name, reason, at in letters:
+    for key, task_id, task_name, reason, at, version in letters:
         label = f"dead-lettered: {_reason_label(reason)}"
-        group(f"dead_letter:{reason}", label).add(key, task_id, task_name, at)
+        group(f"dead_letter:{reason}", label).add(key, task_id, task_name, at, version)
 
     ordered = sorted(groups.values(), key=lambda g: (-len(g.jobs), g.label))
     return Window(since, until, ordered)

@@ -17,7 +17,7 @@ from django.db import transaction
 from django.db.models import Min
 from django.utils import timezone
 
-from celery_explicit import sensitive
+from celery_explicit import app_version, sensitive
 from celery_explicit.headers import KEY_HEADER, REPLAY_HEADER, SENT_AT_HEADER
 from django_outbox.conf import settings
 from django_outbox.models import Attempt, DeadLetter, DeadLetterReason, DeadLetterStatus
@@ -89,6 +89,7 @@ def record(
         correlation_id=text(correlation_id)[:255],
         queue=text(queue)[:255],
         exchange=text(exchange)[:255],
+        app_version=app_version.current(),
     )
     letters = DeadLetter.objects.using(settings.database)
     name = text(task_id or f"unidentified-{uuid.uuid4()}")[:255]

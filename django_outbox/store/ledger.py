@@ -29,6 +29,7 @@ from django.db import DatabaseError, connections, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
+from celery_explicit import app_version
 from celery_explicit.errors import IdempotencyConflict, LeaseLost
 from celery_explicit.store import Effect, Statement
 from django_outbox.conf import settings
@@ -65,7 +66,9 @@ def effect(
     owns_transaction = not connection.in_atomic_block
     with transaction.atomic(using=alias):
         trips = _round_trips(connection) if owns_transaction else None
-        params: list[Any] = [key, task_name, task_id, fingerprint, timezone.now()]
+        params: list[Any] = [
+            key, task_name, task_id, fingerprint, timezone.now(), app_version.current()
+        ]  # fmt: skip
         if trips is not None:
             won, stored = trips.begin_claim_and_read(params)
             if not won and stored is None:

@@ -40,7 +40,7 @@ class AttemptAdmin(ReadOnlyAdmin):
         "worker",
         "job",
     )
-    list_filter = ("outcome", "task_name", "redelivered")
+    list_filter = ("outcome", "task_name", "redelivered", "app_version")
     search_fields = ("idempotency_key", "task_id__exact", "correlation_id__exact")
     date_hierarchy = "started_at"
     # Tighter cells than the admin's own: the list must fit 1400 px.

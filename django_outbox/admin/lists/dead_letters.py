@@ -80,7 +80,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
         "attempts",
         "job",
     )
-    list_filter = (DeadLetterStatusFilter, "reason", "task_name")
+    list_filter = (DeadLetterStatusFilter, "reason", "task_name", "app_version")
     search_fields = ("idempotency_key", "task_id")
     date_hierarchy = "last_attempt"
     actions = ("replay", "discard")
