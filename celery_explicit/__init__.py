@@ -7,7 +7,8 @@ Public API, by topic:
 - per-downstream limits: ``Downstream`` (see ``celery_explicit.downstream``)
 - lease locks: ``LeaseLock`` (see ``celery_explicit.locks``)
 - errors: ``ExplicitError`` (root), ``ContractError``, ``BadInput``,
-  ``IdempotencyConflict``, ``LockError`` and its kinds, ``StaleFencingToken``
+  ``IdempotencyConflict``, ``LockError`` and its kinds, ``StaleFencingToken``,
+  ``JobCancelled``
 """
 
 from celery_explicit.downstream import Downstream
@@ -16,6 +17,7 @@ from celery_explicit.errors import (
     ContractError,
     ExplicitError,
     IdempotencyConflict,
+    JobCancelled,
     LeaseLost,
     LockConfigError,
     LockError,
@@ -52,6 +54,7 @@ __all__ = [
     "LockNotReplicated",
     "LockNotOwned",
     "LeaseLost",
+    "JobCancelled",
     "StaleFencingToken",
     "StaleVersion",
 ]

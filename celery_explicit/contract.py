@@ -19,7 +19,7 @@ from typing import Any
 
 from celery import Task
 
-from celery_explicit import arguments, declarations, keys
+from celery_explicit import arguments, cancellation, declarations, keys
 from celery_explicit import dedup as dedup_mod
 from celery_explicit import ordering as ordering_mod
 from celery_explicit import sensitive as sensitive_mod
@@ -46,6 +46,7 @@ DEFAULTS: Mapping[str, Any] = {
     "ordering_key": None,
     "ordering_gap": None,
     "sensitive": (),
+    "cancellable": False,
 }
 
 #: Celery options that would quietly undo a contract, with what to declare instead.
@@ -128,6 +129,8 @@ class Contract:
     sensitive: tuple[str, ...] = ()
     #: ``signature``'s fast binding (``celery_explicit.arguments``).
     binder: arguments.Binder = arguments.INSPECT_ONLY
+    #: An operator may cancel its jobs (``celery_explicit.cancellation``).
+    cancellable: bool = False
 
 
 def declared_names() -> frozenset[str]:
@@ -289,6 +292,7 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         downstream=downstream,
         ordering=ordering_mod.declared(cls, params, takes_kwargs, refuse, visibility, cap),
         sensitive=sensitive_mod.declared(cls, params, takes_kwargs, refuse),
+        cancellable=cancellation.declared(cls, refuse),
     )
     _refuse_sensitive_keys(contract)
     return contract

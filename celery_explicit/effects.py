@@ -60,6 +60,7 @@ def effect_of(task: Any, *, using: str | None = None) -> Iterator[Effect]:
             using=using,
             before_commit=attempt_row,
             fence=execution.fence,
+            cancellable=task.contract.cancellable,
             other_keys=execution.other_keys,
             accepted_fingerprints=execution.accepted_fingerprints,
         ) as claimed:

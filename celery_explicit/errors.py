@@ -192,6 +192,18 @@ class LeaseLost(StaleFencingToken):
     ordinary error of the handler, classified like any other.)"""
 
 
+class JobCancelled(ExplicitError):
+    """An operator cancelled this job (``manage.py explicit_cancel``, the admin): its
+    effect's commit was refused. Recorded as ``cancelled``; not retried, not
+    dead-lettered."""
+
+    def __init__(self, task_id: str, key: str, *, by: str) -> None:
+        self.task_id = task_id
+        self.key = key
+        self.by = by
+        super().__init__(f"job {task_id} (key {key}) was cancelled by {by}: effect refused")
+
+
 class StaleVersion(ExplicitError):
     """A write carried a version older than the one already stored: refused."""
 

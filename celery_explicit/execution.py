@@ -47,6 +47,9 @@ class Execution:
     lost_lease: bool = False
     #: Deliveries of this message so far, this one included (``delivery_limit``).
     deliveries: int = 1
+    #: ``self.cancelled``'s look at the cancellation marks (``cancellation.Watch``),
+    #: made at its first read: a layer above this one, hence untyped here.
+    cancel_watch: Any = None
     #: Milliseconds spent per part of the attempt, for its log line: ``queue_wait``
     #: (sent to started), each step that ran (``execution_lease`` is the lease
     #: acquire), ``handler``, ``commit`` (the effect's ledger writes and COMMIT).

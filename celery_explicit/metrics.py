@@ -278,3 +278,9 @@ ordering_skipped = _Counter(
     "ordering_gap (delivery layer).",
     ["task"],
 )
+cancelled = _Counter(
+    "explicit_cancelled_total",
+    "Jobs an operator cancelled, by where they were stopped: before_start (not run) or "
+    "at_commit (the effect refused) (delivery and effect layers).",
+    ["task", "stage"],
+)

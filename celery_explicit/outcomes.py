@@ -27,6 +27,7 @@ class Outcome(models.TextChoices):
     MAX_RUN_TIME = "max_run_time", "stopped: ran longer than max_run_time"
     FENCED = "fenced", "refused: lost its lease to a newer execution (stale fencing token)"
     DATABASE_UNAVAILABLE = "database_unavailable", "deferred: the database could not be written"
+    CANCELLED = "cancelled", "cancelled by an operator: not run, or its effect refused"
 
 
 class DeadLetterReason(models.TextChoices):

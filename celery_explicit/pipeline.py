@@ -54,11 +54,12 @@ from celery_explicit import (
     sensitive,
     tracing,
 )
+from celery_explicit.cancellation import CancellationStep
 from celery_explicit.contract import Contract
 from celery_explicit.dedup import DedupStep
 from celery_explicit.delivery_limit import DeliveryLimitStep
 from celery_explicit.downstream import DownstreamStep
-from celery_explicit.errors import BadInput, IdempotencyConflict, LeaseLost
+from celery_explicit.errors import BadInput, IdempotencyConflict, JobCancelled, LeaseLost
 from celery_explicit.execution import Execution, running
 from celery_explicit.execution_lease_step import ExecutionLeaseStep
 from celery_explicit.headers import SENT_AT_HEADER, correlation_of
@@ -85,6 +86,7 @@ STEPS: tuple[type[Step], ...] = (
     database_outage.DatabaseStep,
     DeliveryLimitStep,
     DedupStep,
+    CancellationStep,
     OrderingStep,
     ExecutionLeaseStep,
     DownstreamStep,
@@ -310,6 +312,12 @@ def _run_handler(
         metrics.fenced_commits.labels(task.name).inc()
         execution.lost_lease = True
         records.attempt(execution, request, Outcome.FENCED, exc=exc)
+        return None
+    except JobCancelled as exc:
+        # An operator cancelled the job: its effect's commit was refused. Recorded,
+        # acknowledged, not retried, not dead-lettered.
+        metrics.cancelled.labels(task.name, "at_commit").inc()
+        records.attempt(execution, request, Outcome.CANCELLED, exc=exc)
         return None
     except Exception as exc:
         cause = failures.outage_cause(exc)

@@ -61,8 +61,10 @@ class Store(Protocol):
         fence: int | None,
         other_keys: Sequence[str] = (),
         accepted_fingerprints: Sequence[str] = (),
+        cancellable: bool = False,
     ) -> AbstractContextManager[Effect]:
-        """One transaction with the effect and its ledger row; refused when fenced.
+        """One transaction with the effect and its ledger row; refused when fenced, or
+        (``cancellable``) when an operator cancelled the job (``JobCancelled``).
 
         ``other_keys``: the effect's other names (``celery_explicit.key_history``),
         checked in the same transaction and recorded with it. ``accepted_fingerprints``:

@@ -30,6 +30,7 @@ from celery.exceptions import Retry
 
 from celery_explicit import (
     bootsteps,
+    cancellation,
     effects,
     keys,
     pipeline,
@@ -40,7 +41,7 @@ from celery_explicit import contract as contract_mod
 from celery_explicit import dedup as dedup_mod
 from celery_explicit import ordering as ordering_mod
 from celery_explicit import sensitive as sensitive_mod
-from celery_explicit.errors import BadInput, ExplicitError
+from celery_explicit.errors import BadInput, ContractError, ExplicitError
 from celery_explicit.execution import Execution, current, running
 from celery_explicit.headers import REPLAY_HEADER, stamp
 from celery_explicit.request import ExplicitRequest
@@ -304,6 +305,27 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
         """This execution's fencing token, for your own guarded writes
         (``django_outbox.store.guarded_writes.fenced_update``); None without an execution lease."""
         return current(self.request, self.name).fence
+
+    @property
+    def cancelled(self) -> bool:
+        """Has an operator cancelled this job? Read from the state store at most once
+        every quarter of the lease (``celery_explicit.cancellation``); True stays True.
+        Stop early if you can: the effect's commit is refused for a cancelled job
+        either way. Only for a task that declares ``cancellable = True``."""
+        contract = self.contract
+        if not contract.cancellable:
+            raise ContractError(
+                self.name,
+                "self.cancelled is read, but the task does not declare cancellable = True",
+                field="cancellable",
+                hint="Declare cancellable = True on the task class",
+            )
+        execution = current(self.request, self.name)
+        if execution.cancel_watch is None:
+            execution.cancel_watch = cancellation.Watch(
+                execution.task_id, execution.key, period=max(0.5, contract.visibility_timeout / 4)
+            )
+        return bool(execution.cancel_watch.cancelled())
 
     def set_external_request_id(self, value: str) -> None:
         """Record the downstream's request id on this attempt (for its support desk)."""

@@ -420,3 +420,34 @@ class PruneRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.table} pruned at {self.pruned_at}: {self.deleted} rows"
+
+
+class Cancellation(models.Model):
+    """An operator's cancellation of a job, by task id or by idempotency key
+    (``celery_explicit.cancellation``): a cancellable job that has not started ends
+    ``cancelled``, and its effect's commit is refused (``effect()`` reads this table in
+    its own transaction). Kept as evidence: who, when, why."""
+
+    task_id = models.CharField(max_length=255, blank=True, default="")
+    idempotency_key = models.CharField(max_length=255, blank=True, default="")
+    task_name = models.CharField(max_length=255, blank=True, default="")
+    requested_by = models.CharField(max_length=150)
+    requested_at = models.DateTimeField()
+    reason = models.TextField(blank=True, default="")
+
+    class Meta:
+        db_table = "django_outbox_cancellation"
+        indexes = [
+            models.Index(fields=["task_id"], name="django_outbox_cancel_task_idx"),
+            models.Index(fields=["idempotency_key"], name="django_outbox_cancel_key_idx"),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=~Q(task_id="") | ~Q(idempotency_key=""),
+                name="django_outbox_cancel_names_a_job",
+            )
+        ]
+
+    def __str__(self) -> str:
+        what = f"task {self.task_id}" if self.task_id else f"key {self.idempotency_key}"
+        return f"{what} cancelled by {self.requested_by} at {self.requested_at}"

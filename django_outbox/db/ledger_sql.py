@@ -13,6 +13,11 @@ them itself as literals (``store.ledger``, ``sql % literals``).
 from __future__ import annotations
 
 __all__ = [
+    "CANCELLED",
+    "CANCELLED_CHECK",
+    "CANCELLED_MARKER",
+    "CANCEL_EXCLUSIVE",
+    "CANCEL_LOCK",
     "CLAIM",
     "EXISTING",
     "EXISTING_UNDER_ANY",
@@ -88,6 +93,51 @@ STALE_MARKER = "explicit: stale fencing token"
 FENCE_CHECK = (
     f"SELECT CAST('{STALE_MARKER} ' || token AS integer) FROM django_outbox_fence "
     "WHERE task_id = %s AND token > %s"
+)
+
+# CANCEL_LOCK - the job's cancellation locks, shared, taken by a cancellable job's effect
+#   before it reads the cancellations (CANCELLED, CANCELLED_CHECK)
+# %s task_id, key
+# returns one row of two voids
+# locks two transaction-level advisory locks, shared, until this transaction ends
+# A cancel takes the same two exclusively (CANCEL_EXCLUSIVE) while it writes its row
+# and reads the ledger: one of the two waits for the other, so a cancel acknowledged
+# before this commit refuses it, and a commit that came first makes the cancel say
+# "already applied". Task id first, then key, in both: no deadlock. PostgreSQL only.
+CANCEL_LOCK = (
+    "SELECT pg_advisory_xact_lock_shared(hashtext('explicit-cancel-id:' || %s)), "
+    "pg_advisory_xact_lock_shared(hashtext('explicit-cancel-key:' || %s))"
+)
+
+# CANCEL_EXCLUSIVE - CANCEL_LOCK's two locks, exclusive, for a cancel
+# %s task_id, key ("" for the one the cancel does not name)
+# returns one row of two voids
+# locks the two advisory locks until the cancel's transaction ends
+CANCEL_EXCLUSIVE = (
+    "SELECT pg_advisory_xact_lock(hashtext('explicit-cancel-id:' || %s)), "
+    "pg_advisory_xact_lock(hashtext('explicit-cancel-key:' || %s))"
+)
+
+# CANCELLED - who cancelled the job, read in its effect's transaction
+# %s task_id, key
+# returns (requested_by), or no row
+# locks nothing
+CANCELLED = (
+    "SELECT requested_by FROM django_outbox_cancellation "
+    "WHERE task_id = %s OR idempotency_key = %s LIMIT 1"
+)
+
+#: The error CANCELLED_CHECK raises starts with this, then who cancelled.
+CANCELLED_MARKER = "explicit: cancelled by"
+
+# CANCELLED_CHECK - CANCELLED for the fast path's one-string commit: a cancellation
+#   row turns into an error that aborts the transaction (COMMIT then rolls back)
+# %s task_id, key
+# returns no row, or fails with "<CANCELLED_MARKER> <who>" (not an integer)
+# locks nothing
+CANCELLED_CHECK = (
+    f"SELECT CAST('{CANCELLED_MARKER} ' || requested_by AS integer) "
+    "FROM django_outbox_cancellation WHERE task_id = %s OR idempotency_key = %s LIMIT 1"
 )
 
 # TAKEOVER - the newer fence of a job, announced before its new execution runs

@@ -30,7 +30,7 @@ from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
 from celery_explicit import app_version
-from celery_explicit.errors import IdempotencyConflict, LeaseLost
+from celery_explicit.errors import IdempotencyConflict, JobCancelled, LeaseLost
 from celery_explicit.store import Effect, Statement
 from django_outbox.conf import settings
 from django_outbox.db import ledger_sql, libpq
@@ -48,6 +48,7 @@ def effect(
     fence: int | None = None,
     other_keys: Sequence[str] = (),
     accepted_fingerprints: Sequence[str] = (),
+    cancellable: bool = False,
 ) -> Iterator[Effect]:
     """One transaction holding the effect and its ledger entry.
 
@@ -58,7 +59,9 @@ def effect(
     refused (``StaleFencingToken``, nothing written) when a newer execution took the
     lease over. ``other_keys`` are the effect's other names (a renamed key template,
     ``celery_explicit.key_history``): found under one, the effect is done; applied,
-    it is recorded under each of them too, in the same commit.
+    it is recorded under each of them too, in the same commit. ``cancellable``: the
+    commit is refused (``JobCancelled``) when an operator cancelled the job
+    (``celery_explicit.cancellation``).
     """
     alias = using or settings.database
     accepted = (fingerprint, *accepted_fingerprints)
@@ -115,7 +118,14 @@ def effect(
                 statements.append((ledger_sql.RESULT, [ref, other]))
         if before_commit is not None:
             statements += before_commit(claimed)
+        # A cancellable job's commit is refused once an operator cancelled it
+        # (celery_explicit.cancellation); the lock orders it with the cancel.
+        cancel_check = cancellable and not claimed.done
+        if cancel_check and connection.vendor == "postgresql":
+            statements.append((ledger_sql.CANCEL_LOCK, [task_id, key]))
         if trips is not None:
+            if cancel_check:
+                statements.append((ledger_sql.CANCELLED_CHECK, [task_id, key]))
             if fence is not None:
                 statements.append((ledger_sql.FENCE_CHECK, [task_id, fence]))
             # Committed here; Django's own commit at the end of atomic() then finds the
@@ -123,7 +133,10 @@ def effect(
             try:
                 trips.execute_and_commit(statements)
             except DatabaseError as exc:
-                # The marker is ours; the server's wording around it may be localized.
+                # The markers are ours; the server's wording around them may be localized.
+                cancelled = re.search(rf'{ledger_sql.CANCELLED_MARKER} ([^"]*)"', str(exc))
+                if cancelled is not None:
+                    raise JobCancelled(task_id, key, by=cancelled.group(1)) from None
                 found = re.search(rf"{ledger_sql.STALE_MARKER} (\d+)", str(exc))
                 if found is None:
                     raise
@@ -132,6 +145,11 @@ def effect(
             with connection.cursor() as cursor:
                 for sql, statement_params in statements:
                     cursor.execute(sql, statement_params)
+                if cancel_check:
+                    cursor.execute(ledger_sql.CANCELLED, [task_id, key])
+                    by = cursor.fetchone()
+                    if by is not None:
+                        raise JobCancelled(task_id, key, by=str(by[0]))
                 if fence is not None:
                     cursor.execute(ledger_sql.FENCE, [task_id, fence])
                     newer_row = cursor.fetchone()

@@ -154,6 +154,60 @@ class RetriesUntilHealed(ExplicitTask):
             Counter.objects.filter(name=name).update(value=F("value") + 1)
 
 
+class CancellableShip(ExplicitTask):
+    """Ships an order, unless an operator cancelled the job. With a ``tag`` it tells the
+    test it started, waits for the test's go-ahead, and notes whether it saw
+    ``self.cancelled`` before its effect."""
+
+    name = "tests.cancellable_ship"
+    idempotency_key = "cship:{order_id}"
+    cancellable = True
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, order_id: int, tag: str = "") -> None:
+        from tests.testapp.models import OrderState
+
+        if tag:
+            _wait_for_go_ahead(tag)
+            _client().set(f"saw-cancelled:{tag}", int(self._saw_cancelled()), ex=120)
+        with self.effect() as eff:
+            if eff.done:
+                return
+            OrderState.objects.create(order_id=order_id, status="shipped")
+
+    def _saw_cancelled(self) -> bool:
+        return self.cancelled
+
+
+class ShipNotCancellable(CancellableShip):
+    """The same task, not declaring ``cancellable``: the cancellation's negative control."""
+
+    name = "tests.ship_not_cancellable"
+    idempotency_key = "ncship:{order_id}"
+    cancellable = False
+
+    def _saw_cancelled(self) -> bool:
+        return False
+
+
+def _client():  # type: ignore[no-untyped-def]
+    import redis
+    from django.conf import settings
+
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def _wait_for_go_ahead(tag: str) -> None:
+    client = _client()
+    client.rpush(f"started:{tag}", os.getpid())
+    deadline = time.monotonic() + 30
+    while not client.exists(f"proceed:{tag}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class Declined(ExplicitTask):
     name = "tests.declined"
     idempotency_key = "payment:{payment_id}:capture"
@@ -417,6 +471,8 @@ app.register_task(NestedEffect())
 app.register_task(SlowShip())
 app.register_task(RecordEvent())
 app.register_task(RetriesUntilHealed())
+app.register_task(CancellableShip())
+app.register_task(ShipNotCancellable())
 app.register_task(ShortDedup())
 app.register_task(Increment())
 app.register_task(AlwaysTransient())

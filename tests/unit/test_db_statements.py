@@ -12,7 +12,14 @@ import re
 import pytest
 
 from django_outbox.db import attempts_sql, ledger_sql, outbox_sql, relay_sql
-from django_outbox.models import Attempt, Fence, OutboxEvent, OutboxStatus, ProcessedOperation
+from django_outbox.models import (
+    Attempt,
+    Cancellation,
+    Fence,
+    OutboxEvent,
+    OutboxStatus,
+    ProcessedOperation,
+)
 
 MODULES = (attempts_sql, ledger_sql, outbox_sql, relay_sql)
 
@@ -20,11 +27,12 @@ STATEMENTS = {
     f"{module.__name__.rsplit('.', 1)[1]}.{name}": getattr(module, name)
     for module in MODULES
     for name in module.__all__
-    if isinstance(getattr(module, name), str) and name != "STALE_MARKER"
+    if isinstance(getattr(module, name), str) and name not in ("STALE_MARKER", "CANCELLED_MARKER")
 }
 
 TABLES = {
-    model._meta.db_table: model for model in (Attempt, Fence, OutboxEvent, ProcessedOperation)
+    model._meta.db_table: model
+    for model in (Attempt, Cancellation, Fence, OutboxEvent, ProcessedOperation)
 }
 
 
