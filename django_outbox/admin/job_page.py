@@ -150,6 +150,10 @@ def _row_url(event: explain.Event) -> str:
             if row_id is None:
                 return ""
             return reverse("admin:django_outbox_outboxevent_change", args=[row_id])
+        if event.kind == "cancelled":
+            return reverse("admin:django_outbox_cancellation_changelist") + (
+                f"?q={data['task_id'] or data['key']}"
+            )
         if event.kind in ("takeover", "execution", "fence"):
             return reverse("admin:django_outbox_fence_change", args=[data["task_id"]])
     except NoReverseMatch:

@@ -29,6 +29,7 @@ from django_outbox.incident.lookup import MAX_MATCHES, PRINTABLE, resolve, uuid_
 from django_outbox.incident.timeline import Event
 from django_outbox.incident.verdict import stamp
 from django_outbox.models import Attempt, DeadLetter, Fence, ProcessedOperation
+from django_outbox.store import cancellations
 
 # Event, stamp and uuid_or_none: importable from here, where the job page and the
 # replay plan read them with the explanation.
@@ -133,6 +134,8 @@ def _explanation(
     events += [timeline.attempt_event(a, attempts, fences) for a in attempts]
     events += [timeline.unrecorded_event(f, attempts) for f in verdict.unrecorded(fences, attempts)]
     events += [timeline.fence_event(f, attempts) for f in fences]
+    cancelled = cancellations.of_jobs(set(all_tasks), {key} | {a.idempotency_key for a in attempts})
+    events += [timeline.cancellation_event(c) for c in cancelled]
     if ledger is not None:
         events.append(
             Event(
@@ -154,5 +157,5 @@ def _explanation(
         key=key,
         task_ids=all_tasks,
         events=events,
-        verdict=verdict.verdict(attempts, ledger, letters, fences),
+        verdict=verdict.verdict(attempts, ledger, letters, fences, cancelled),
     )

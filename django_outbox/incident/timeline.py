@@ -17,7 +17,7 @@ from django_outbox.conf import settings
 from django_outbox.incident import verdict
 from django_outbox.incident.lookup import uuid_or_none
 from django_outbox.incident.verdict import stamp
-from django_outbox.models import Attempt, DeadLetter, Fence, OutboxEvent
+from django_outbox.models import Attempt, Cancellation, DeadLetter, Fence, OutboxEvent
 
 __all__ = [
     "Event",
@@ -42,7 +42,7 @@ _LOST_LEASE = {
 @dataclass
 class Event:
     at: datetime
-    kind: str  # outbox, published, attempt, execution, takeover, fence, effect, dead_letter
+    kind: str  # outbox, published, attempt, execution, takeover, fence, cancelled, effect, dead_letter
     text: str
     data: dict[str, Any] = field(default_factory=dict)
     #: Seconds since the previous event of the job (None for the first): a wait in the
@@ -194,6 +194,23 @@ def fence_event(fence: Fence, attempts: list[Attempt]) -> Event:
             "from": fence.taken_over_from,
             "cause": fence.cause,
             "holder_started_at": fence.holder_started_at,
+        },
+    )
+
+
+def cancellation_event(row: Cancellation) -> Event:
+    what = f"task {row.task_id}" if row.task_id else f"every job of key {row.idempotency_key}"
+    return Event(
+        row.requested_at,
+        "cancelled",
+        f"{what} cancelled by {row.requested_by}"
+        + (f": {row.reason}" if row.reason else "")
+        + " (cancellable jobs of it do not run, and no effect of it commits after this)",
+        {
+            "task_id": row.task_id,
+            "key": row.idempotency_key,
+            "by": row.requested_by,
+            "reason": row.reason,
         },
     )
 

@@ -14,11 +14,19 @@ its lease). "Ran N times" counts both.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from datetime import datetime
 
 from celery_explicit.outcomes import Outcome
 from django_outbox import times
-from django_outbox.models import Attempt, DeadLetter, DeadLetterStatus, Fence, ProcessedOperation
+from django_outbox.models import (
+    Attempt,
+    Cancellation,
+    DeadLetter,
+    DeadLetterStatus,
+    Fence,
+    ProcessedOperation,
+)
 
 #: Why a lease was taken over, as a verdict says it (``execution_lease.TakeoverCause``).
 CAUSES = {
@@ -130,6 +138,7 @@ def verdict(
     ledger: ProcessedOperation | None,
     letters: list[DeadLetter],
     fences: list[Fence],
+    cancelled: Sequence[Cancellation] = (),
 ) -> str:
     outcomes = Counter(Outcome(a.outcome) for a in attempts)
     applied = [a for a in attempts if a.outcome == Outcome.APPLIED]
@@ -164,6 +173,9 @@ def verdict(
             f", next try at {stamp(due)}" if due else ""
         )
     causes = []
+    if cancelled:
+        order = cancelled[0]
+        causes.append(f"cancelled by {order.requested_by} at {stamp(order.requested_at)}")
     others = [letter for letter in letters if letter is not named]
     if others:
         reasons = ", ".join(f"{n} {r}" for r, n in Counter(d.reason for d in others).items())

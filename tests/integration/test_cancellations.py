@@ -115,3 +115,46 @@ def test_an_effect_that_committed_cannot_be_cancelled() -> None:
     assert said.startswith(f"cannot cancel: the effect of key {key} committed at ")
     assert "(task t-1, tests.ship" in said
     assert not Cancellation.objects.exists()
+
+
+def attempt_row(task_id: str, key: str) -> Attempt:
+    now = timezone.now()
+    return Attempt.objects.create(
+        task_id=task_id,
+        task_name="tests.cancellable_ship",
+        idempotency_key=key,
+        attempt=1,
+        worker_host="w@h",
+        worker_pid=1,
+        started_at=now,
+        finished_at=now,
+        duration_ms=1.0,
+        outcome=Outcome.RETRY_SCHEDULED,
+    )
+
+
+def test_the_admin_cancels_the_selected_attempts_jobs_and_says_what_it_could_not() -> None:
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    waiting = attempt_row(uuid.uuid4().hex, f"ship:{uuid.uuid4().hex[:8]}")
+    applied = attempt_row("t-applied", f"ship:{uuid.uuid4().hex[:8]}")
+    assert commit("t-applied", applied.idempotency_key, cancellable=True) == "committed"
+    client = Client()
+    client.force_login(User.objects.create_superuser(f"oncall-{uuid.uuid4().hex[:6]}"))
+    page = client.post(
+        "/admin/django_outbox/attempt/",
+        {"action": "cancel_jobs", "_selected_action": [waiting.pk, applied.pk]},
+        follow=True,
+    )
+    said = [str(m) for m in page.context["messages"]]
+    assert "Cancelled 1 job(s)." in said
+    assert any(m.startswith("task t-applied: cannot cancel: the effect of key") for m in said)
+    row = Cancellation.objects.get()
+    assert row.task_id == waiting.task_id and row.requested_by.startswith("oncall-")
+    # The job's timeline and verdict say it.
+    from tests.support.explaining import explain, verdict_of
+
+    text = explain(waiting.idempotency_key)
+    assert f"task {waiting.task_id} cancelled by {row.requested_by}" in text
+    assert f"cancelled by {row.requested_by} at " in verdict_of(text), text

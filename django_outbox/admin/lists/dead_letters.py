@@ -19,6 +19,7 @@ from django.utils.html import format_html
 from django_outbox import times
 from django_outbox.admin import job_page
 from django_outbox.admin import replay as admin_replay
+from django_outbox.admin.lists.cancellations import CancelJobs
 from django_outbox.admin.lists.read_only import ReadOnlyAdmin
 from django_outbox.models import DeadLetter, DeadLetterStatus, ProcessedOperation
 from django_outbox.store import dead_letters
@@ -69,7 +70,7 @@ class DeadLetterStatusFilter(admin.SimpleListFilter):
 
 
 @admin.register(DeadLetter)
-class DeadLetterAdmin(ReadOnlyAdmin):
+class DeadLetterAdmin(CancelJobs, ReadOnlyAdmin):
     list_display = (
         "last_attempt",
         "task_name",
@@ -83,7 +84,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
     list_filter = (DeadLetterStatusFilter, "reason", "task_name", "app_version")
     search_fields = ("idempotency_key", "task_id")
     date_hierarchy = "last_attempt"
-    actions = ("replay", "discard")
+    actions = ("replay", "discard", "cancel_jobs")
     readonly_fields = ("effect_happened",)
     change_form_template = "admin/django_outbox/deadletter/change_form.html"
 
