@@ -189,6 +189,8 @@ class Settings:
     #: Effect-ledger rows older than this; never shorter than the floor ``manage.py
     #: check`` computes (the longest time a copy of a job can still arrive).
     retain_ledger: Setting[float] = Setting(30 * 86400.0, number, above=0)
+    #: A cancellation by key keeps later jobs of that key from running until pruned.
+    retain_cancellations: Setting[float] = Setting(90 * 86400.0, number, above=0)
 
     #: The interface the worker's and the relay's metrics ports listen on;
     #: "0.0.0.0" opens it to the network (then set ``EXPLICIT_METRICS_TOKEN``).

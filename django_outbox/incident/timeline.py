@@ -42,7 +42,8 @@ _LOST_LEASE = {
 @dataclass
 class Event:
     at: datetime
-    kind: str  # outbox, published, attempt, execution, takeover, fence, cancelled, effect, dead_letter
+    #: outbox, published, attempt, execution, takeover, fence, cancelled, effect, dead_letter
+    kind: str
     text: str
     data: dict[str, Any] = field(default_factory=dict)
     #: Seconds since the previous event of the job (None for the first): a wait in the

@@ -11,7 +11,7 @@ from django_outbox.conf import settings
 __all__ = ["TABLES", "human", "retention", "setting_name", "tables"]
 
 #: The tables ``explicit_prune`` knows, in the order it prunes them.
-TABLES = ("attempts", "fences", "dead_letters", "outbox", "ledger")
+TABLES = ("attempts", "fences", "dead_letters", "outbox", "ledger", "cancellations")
 
 
 def setting_name(table: str) -> str:

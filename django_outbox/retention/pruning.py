@@ -9,7 +9,8 @@
   never looks beyond); dead-lettered and deduplicated events by ``created_at``. A
   pending event is never pruned, nor a published one the reconciler may still
   republish;
-- **the ledger** by ``processed_at``, never below its floor (``retention.floor``).
+- **the ledger** by ``processed_at``, never below its floor (``retention.floor``);
+- **cancellations** by ``requested_at``.
 
 Each table is pruned in batches: one short transaction selects up to ``batch_size``
 due primary keys along an index (``FOR UPDATE SKIP LOCKED``: a row a worker, the relay
@@ -37,6 +38,7 @@ from django.utils import timezone
 from django_outbox.conf import settings
 from django_outbox.models import (
     Attempt,
+    Cancellation,
     DeadLetter,
     DeadLetterStatus,
     Fence,
@@ -88,6 +90,9 @@ def _due(table: str, seconds: float, using: str) -> list[models.QuerySet[Any]]:
                 created_at__lt=cutoff,
             ).order_by("pk"),
         ]
+    if table == "cancellations":
+        # An operator's decision: a few rows, scanned whole.
+        return [Cancellation.objects.using(using).filter(requested_at__lt=cutoff).order_by("pk")]
     if table == "ledger":
         return [
             ProcessedOperation.objects.using(using)

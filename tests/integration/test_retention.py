@@ -23,6 +23,7 @@ from django_outbox import retention
 from django_outbox.conf import settings as explicit_settings
 from django_outbox.models import (
     Attempt,
+    Cancellation,
     DeadLetter,
     DeadLetterReason,
     DeadLetterStatus,
@@ -57,6 +58,13 @@ def attempt(started: datetime, outcome: str = Outcome.APPLIED) -> int:
         finished_at=started,
         duration_ms=1.0,
         outcome=outcome,
+    )
+    return row.pk
+
+
+def cancellation(requested: datetime) -> int:
+    row = Cancellation.objects.create(
+        idempotency_key=f"ship:{uuid.uuid4().hex[:8]}", requested_by="alice", requested_at=requested
     )
     return row.pk
 
@@ -137,6 +145,7 @@ def test_prune_deletes_old_rows_of_each_table_and_keeps_recent_ones() -> None:
         OutboxStatus.PUBLISHED, created=ago(6 * DAY), published=ago(6 * DAY), checked=True
     )
     old_key, young_key = ledger(ago(31 * DAY)), ledger(ago(29 * DAY))
+    old_cancel, young_cancel = cancellation(ago(91 * DAY)), cancellation(ago(89 * DAY))
 
     out = prune("--batch-size", "2")
 
@@ -145,6 +154,7 @@ def test_prune_deletes_old_rows_of_each_table_and_keeps_recent_ones() -> None:
     assert keys(DeadLetter) == {young_letter}
     assert keys(OutboxEvent) == {young_event}
     assert keys(ProcessedOperation) == {young_key}
+    assert keys(Cancellation) == {young_cancel} and old_cancel != young_cancel
     assert not {old_fence, old_letter, replayed, old_key} & (
         keys(Fence) | keys(DeadLetter) | keys(ProcessedOperation)
     )
@@ -155,6 +165,7 @@ def test_prune_deletes_old_rows_of_each_table_and_keeps_recent_ones() -> None:
         "dead_letters: deleted 2 rows older than 90d",
         "outbox: deleted 3 rows older than 7d",
         "ledger: deleted 1 rows older than 30d (EXPLICIT_RETAIN_LEDGER)",
+        "cancellations: deleted 1 rows older than 90d (EXPLICIT_RETAIN_CANCELLATIONS)",
     ):
         assert line in out
     assert dict(PruneRecord.objects.values_list("table", "deleted")) == {
@@ -163,6 +174,7 @@ def test_prune_deletes_old_rows_of_each_table_and_keeps_recent_ones() -> None:
         "dead_letters": 2,
         "outbox": 3,
         "ledger": 1,
+        "cancellations": 1,
     }
 
 

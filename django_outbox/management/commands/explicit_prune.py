@@ -20,8 +20,9 @@ from django_outbox.management.arguments import parse_duration, positive_int
 
 class Command(BaseCommand):
     help = (
-        "Delete attempts, fences, resolved dead letters, reconciled outbox events and "
-        "ledger entries older than their retention (EXPLICIT_RETAIN_*), in batches. Open "
+        "Delete attempts, fences, resolved dead letters, reconciled outbox events, "
+        "ledger entries and cancellations older than their retention (EXPLICIT_RETAIN_*), "
+        "in batches. Open "
         "dead letters and outbox events reconciliation may still republish are never "
         "deleted; the ledger is refused below its floor (manage.py check, E020)."
     )
