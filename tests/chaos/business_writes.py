@@ -13,11 +13,16 @@ backlog; a supervisor that restarts workers.
 The two controls publish to the scenario's private broker with neither Celery's publish
 retries nor kombu's connection retries: an outage must fail them at once instead of
 hanging the producer (a retry only moves the loss to a longer outage).
+
+The private broker (``BROKERS``) is a Redis with appendonly and fsync always
+(``redis``) or a RabbitMQ node whose queues are quorum queues and whose publishers wait
+for confirms (``rabbitmq-quorum``): either keeps what it acknowledged through a SIGKILL.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,10 +30,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from django.db import connection, transaction
 from django.utils import timezone
-from kombu import Connection
+from kombu import Connection, Exchange, Queue
 
 from django_outbox.models import OutboxEvent
 from django_outbox.outbox.dispatch import dispatch
@@ -36,6 +42,7 @@ from tests.chaos import history
 from tests.chaos.tasks import ChaosJob
 
 HOWS = ("outbox", "on_commit", "after_commit")
+BROKERS = ("redis", "rabbitmq-quorum")
 
 
 @dataclass
@@ -44,6 +51,8 @@ class Producer:
     queue: str
     broker_url: str
     how: str
+    #: The broker's queues are RabbitMQ quorum queues (publish with confirms).
+    quorum: bool = False
     #: Writes attempted; job numbers are 0 .. attempted - 1.
     attempted: int = 0
     #: Business transactions that raised (must stay 0: the broker is not the business's).
@@ -70,7 +79,7 @@ class Producer:
                     dispatch(
                         ChaosJob(),
                         kwargs=kwargs,
-                        options={"queue": self.queue, "retry": False, "connection": conn},
+                        options={"queue": self._target(), "retry": False, "connection": conn},
                     )
             else:
                 with transaction.atomic():
@@ -89,7 +98,7 @@ class Producer:
         try:
             with self._connection() as conn:
                 ChaosJob().apply_async(
-                    kwargs=kwargs, queue=self.queue, connection=conn, retry=False
+                    kwargs=kwargs, queue=self._target(), connection=conn, retry=False
                 )
         except Exception:
             # The careless pattern the control stands for: log and carry on.
@@ -98,7 +107,22 @@ class Producer:
     def _connection(self) -> Connection:
         # A new connection per publish: one broken by a restart is not reused.
         return Connection(
-            self.broker_url, connect_timeout=0.5, transport_options={"max_retries": 0}
+            self.broker_url,
+            connect_timeout=0.5,
+            transport_options={"max_retries": 0, "confirm_publish": self.quorum},
+        )
+
+    def _target(self) -> str | Queue:
+        """The queue a control publishes to. On quorum queues, declared as the workers
+        declare it: RabbitMQ refuses a classic declare of a quorum queue
+        (PRECONDITION_FAILED), which would lose the job with the broker up."""
+        if not self.quorum:
+            return self.queue
+        return Queue(
+            self.queue,
+            Exchange(self.queue),
+            self.queue,
+            queue_arguments={"x-queue-type": "quorum"},
         )
 
 
@@ -166,7 +190,7 @@ class Backlog:
 
 @dataclass
 class OutboxRig:
-    """The broker scenarios' set-up: a private append-only broker Redis, two supervised
+    """The broker scenarios' set-up: a private broker (``BROKERS``), two supervised
     workers and two relays on it, a producer writing through the outbox and a control
     producer writing the other way, and the backlog they leave."""
 
@@ -188,31 +212,53 @@ def outbox_rig(
     tmp_path: Path,
     control_path: str,
     relay_args: tuple[str, ...],
+    broker: str = "redis",
 ) -> Iterator[OutboxRig]:
-    """Start the rig; on the way out the workers are stopped (no replacements while the
-    fixture stops them) and the broker killed, whatever happened."""
+    """Start the rig on a private ``broker`` (one of ``BROKERS``); on the way out the
+    workers are stopped (no replacements, then a warm shutdown while the broker is
+    still up) and the broker killed, whatever happened."""
+    from tests.support.rabbitmq import PrivateRabbitMQ
     from tests.support.servers import PrivateRedis
 
-    broker = PrivateRedis(tmp_path / "broker", durable=True).start()
+    assert broker in BROKERS, broker
+    quorum = broker == "rabbitmq-quorum"
+    server: PrivateRedis | PrivateRabbitMQ = (
+        PrivateRabbitMQ(tmp_path / "broker")
+        if quorum
+        else PrivateRedis(tmp_path / "broker", durable=True)
+    )
+    server.start()
+    # Celery declares the workers' and relays' queue as a quorum queue, and the relays
+    # publish with confirms (tests/settings.py).
+    env = {"EXPLICIT_TEST_QUEUE_TYPE": "quorum"} if quorum else {}
     workers: Supervisor | None = None
     try:
         workers = Supervisor(
-            start_worker, count=2, broker_url=broker.url, concurrency=2, broker_up=answers(broker)
+            start_worker,
+            count=2,
+            env={"EXPLICIT_TEST_BROKER_URL": server.url, **env},
+            concurrency=2,
+            broker_up=server.ping,
         )
         workers.start()
-        relays = [start_relay(*relay_args, broker_url=broker.url) for _ in range(2)]
+        # start_relay passes the broker URL only; the relays' environment is the test
+        # process's otherwise.
+        with mock.patch.dict(os.environ, env):
+            relays = [start_relay(*relay_args, broker_url=server.url) for _ in range(2)]
         yield OutboxRig(
-            broker=broker,
+            broker=server,
             workers=workers,
             relays=relays,
-            outbox=Producer(run, queue, broker.url, "outbox"),
-            control=Producer(run + "c", queue, broker.url, control_path),
+            outbox=Producer(run, queue, server.url, "outbox", quorum=quorum),
+            control=Producer(run + "c", queue, server.url, control_path, quorum=quorum),
             backlog=Backlog(run),
         )
     finally:
         if workers is not None:
             workers.stop(reraise=False)
-        broker.kill()
+            for worker in workers.workers:
+                worker.stop()
+        server.kill()
 
 
 class Supervisor(threading.Thread):
@@ -231,7 +277,7 @@ class Supervisor(threading.Thread):
         start_worker: Callable[..., Any],
         *,
         count: int,
-        broker_url: str,
+        env: dict[str, str],
         concurrency: int,
         broker_up: Callable[[], bool],
     ) -> None:
@@ -239,7 +285,7 @@ class Supervisor(threading.Thread):
         self._broker_up = broker_up
         self._start_worker = start_worker
         self._concurrency = concurrency
-        self._env = {"EXPLICIT_TEST_BROKER_URL": broker_url}
+        self._env = env
         self.workers = [self._start() for _ in range(count)]
         self.crashes = 0
         self.crash_logs: list[str] = []
@@ -271,18 +317,3 @@ class Supervisor(threading.Thread):
             self.join()
         if reraise and self.error is not None:
             raise self.error
-
-
-def answers(broker: Any) -> Callable[[], bool]:
-    """A check that ``broker`` (a ``PrivateRedis``) answers PING now."""
-
-    def check() -> bool:
-        client = broker.client()
-        try:
-            return bool(client.ping())
-        except Exception:
-            return False
-        finally:
-            client.close()
-
-    return check

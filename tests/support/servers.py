@@ -133,6 +133,16 @@ class PrivateRedis:
         """A clean shutdown (SIGTERM)."""
         self._stop(signal.SIGTERM)
 
+    def ping(self) -> bool:
+        """Whether it answers PING now."""
+        client = self.client()
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
     def client(self) -> redis.Redis:
         if self.socket_path:
             return redis.Redis(unix_socket_path=str(self.socket_path))
