@@ -37,6 +37,17 @@ class ExplicitUpdate(ExplicitTask):
 app.register_task(ExplicitUpdate())
 
 
+class CancellableUpdate(ExplicitUpdate):
+    """ExplicitUpdate declaring ``cancellable``: its cost is the cancellation's
+    (``bench/feature_cost.py``)."""
+
+    name = "bench.cancellable_update"
+    cancellable = True
+
+
+app.register_task(CancellableUpdate())
+
+
 @app.task(name="bench.noop", acks_late=True)
 def noop(row_id: int, op_id: str) -> None:
     """Baseline: Celery's own cost per task on this machine."""
