@@ -45,7 +45,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 ROUNDS = scaled(10, 50)
 #: Rounds of a stale execution across a Sentinel failover, with real workers.
-STALE_ROUNDS = scaled(2, 10)
+STALE_ROUNDS = scaled(1, 10)
 
 
 def one_round(data_dir: Path, user_id: int, *, control: bool) -> tuple[str, str]:

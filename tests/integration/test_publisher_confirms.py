@@ -156,7 +156,7 @@ def retry_into_a_refusing_queue(start_worker, redis_client, queue: str, confirms
     try:
         # Refused and confirmed: the message is requeued and runs again. Unconfirmed:
         # nothing comes back.
-        wait_for(lambda: redis_client.llen(started) >= 2, timeout=10, what="a second execution")
+        wait_for(lambda: redis_client.llen(started) >= 2, timeout=6, what="a second execution")
         again = True
     except TimeoutError:
         again = False
@@ -164,7 +164,12 @@ def retry_into_a_refusing_queue(start_worker, redis_client, queue: str, confirms
     redis_client.set(f"healed:{name}", 1, ex=120)
     redis_client.set(f"go:{name}:2", 1, ex=120)
     try:
-        wait_for(lambda: Counter.objects.get(name=name).value == 1, timeout=15, what="the effect")
+        wait_for(
+            lambda: Counter.objects.get(name=name).value == 1,
+            # Run again, it applies within seconds; not run again, nothing will come.
+            timeout=15 if again else 4,
+            what="the effect",
+        )
     except TimeoutError:
         if not again and depth(queue) == 0:
             return "job lost"
