@@ -53,7 +53,9 @@ def current() -> str:
 def source() -> tuple[str, str]:
     """The version and where it was read (for ``explicit_explain --version`` and the
     logs): ``("1.4.2", "EXPLICIT_APP_VERSION")``, ``("", "unknown")``."""
-    configured = settings.app_version
+    # Checked by manage.py check (E006); cleaned all the same, so a process that runs
+    # despite the check never writes a value its 64-character columns refuse.
+    configured = _clean(settings.app_version)
     if configured:
         return configured, "EXPLICIT_APP_VERSION"
     for name in ENVIRONMENT:

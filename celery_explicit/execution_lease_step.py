@@ -31,6 +31,7 @@ from django.db import Error as DatabaseError
 from celery_explicit import job_log, metrics, store
 from celery_explicit.execution import Execution, delivery
 from celery_explicit.execution_lease import Held, Released, Taken, acquire, enabled, release
+from celery_explicit.headers import FENCE_FREE_LEASE_HEADER, REDELIVERED_HEADER
 from celery_explicit.steps import RUN, Decision, Defer, Ending, Job, RetryLater, Step
 
 if TYPE_CHECKING:
@@ -64,6 +65,12 @@ class ExecutionLeaseStep(Step):
 
         execution = job.execution
         redelivered = bool(delivery(job.request, "redelivered"))
+        # A copy of a delivery the broker redelivered (deferred while an execution held
+        # the lease), or one the reconciler published again, carries a header instead.
+        again = redelivered or any(
+            getattr(job.request, header, False)
+            for header in (REDELIVERED_HEADER, FENCE_FREE_LEASE_HEADER)
+        )
         if not enabled():
             if redelivered:
                 metrics.redeliveries.labels(self.task_name, "broker").inc()
@@ -89,6 +96,7 @@ class ExecutionLeaseStep(Step):
             return self._take_over(execution, lease)
         if redelivered:
             metrics.redeliveries.labels(self.task_name, "broker").inc()
+        if again:
             return self._fence_unleased(execution)
         return RUN
 
@@ -133,8 +141,10 @@ class ExecutionLeaseStep(Step):
         try:
             store.get().record_fence(execution.task_id, execution.key, execution.fence)
         except DatabaseError as exc:
-            # Release: no takeover is lost by it, and the retry takes a fresh lease.
-            give_back(execution)
+            # Keep the lease (it runs out by itself), as a takeover does: released, the
+            # retry would find it free again with nothing to say it must fence, and an
+            # earlier execution whose record was lost could still commit. Kept, the
+            # retry finds it not released and takes it over, writing the fence then.
             execution.fence = None
             return RetryLater(exc, _rng.uniform(1.0, 5.0), record=False)
         return RUN

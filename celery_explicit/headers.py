@@ -37,6 +37,10 @@ DEFERRALS_HEADER = "explicit_deferrals"
 #: Message header on a deferral's re-publish of a delivery the broker had redelivered:
 #: the copy that finally runs is still that redelivery, and its attempt row says so.
 REDELIVERED_HEADER = "explicit_redelivered"
+#: Message header on a copy of a job published while an earlier execution of it may
+#: still run (the outbox reconciler's republish): finding the execution lease free, it
+#: writes its fence first, as a redelivery does (``execution_lease_step``).
+FENCE_FREE_LEASE_HEADER = "explicit_fence_free_lease"
 #: Message header with the time it was put on the broker (Unix seconds): set on every
 #: publish, re-publishes included, so the age of a queue's oldest message and a job's
 #: wait in the queue can be read from the message itself.

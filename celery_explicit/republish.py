@@ -33,6 +33,7 @@ from celery_explicit.execution import Execution, delivery, running
 from celery_explicit.headers import (
     CORRELATION_HEADER,
     DEFERRALS_HEADER,
+    FENCE_FREE_LEASE_HEADER,
     KEY_HEADER,
     PUBLISHED_VIA_HEADER,
     REDELIVERED_HEADER,
@@ -134,6 +135,8 @@ def defer(
     headers: dict[str, Any] = {DEFERRALS_HEADER: deferrals}
     if redelivered(request):
         headers[REDELIVERED_HEADER] = True
+    if getattr(request, FENCE_FREE_LEASE_HEADER, False):
+        headers[FENCE_FREE_LEASE_HEADER] = True  # still a copy beside an earlier one
     if not execution_lease_step.hand_back(execution):
         raise _end_without_republishing(task, "deferral")
     if getattr(request, PUBLISHED_VIA_HEADER, None) == "outbox":

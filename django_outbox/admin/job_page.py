@@ -151,9 +151,8 @@ def _row_url(event: explain.Event) -> str:
                 return ""
             return reverse("admin:django_outbox_outboxevent_change", args=[row_id])
         if event.kind == "cancelled":
-            return reverse("admin:django_outbox_cancellation_changelist") + (
-                f"?q={data['task_id'] or data['key']}"
-            )
+            query = urlencode({"q": data["task_id"] or data["key"]})
+            return reverse("admin:django_outbox_cancellation_changelist") + f"?{query}"
         if event.kind in ("takeover", "execution", "fence"):
             return reverse("admin:django_outbox_fence_change", args=[data["task_id"]])
     except NoReverseMatch:

@@ -15,6 +15,7 @@ from __future__ import annotations
 __all__ = [
     "CANCELLED",
     "CANCELLED_CHECK",
+    "CANCELLED_END",
     "CANCELLED_MARKER",
     "CANCEL_EXCLUSIVE",
     "CANCEL_LOCK",
@@ -127,16 +128,19 @@ CANCELLED = (
     "WHERE task_id = %s OR idempotency_key = %s LIMIT 1"
 )
 
-#: The error CANCELLED_CHECK raises starts with this, then who cancelled.
+#: The error CANCELLED_CHECK raises holds ``<CANCELLED_MARKER> <who> <CANCELLED_END>``:
+#: ours at both ends, so the server's own wording and quotes (localized) never matter.
 CANCELLED_MARKER = "explicit: cancelled by"
+CANCELLED_END = ":explicit-end"
 
 # CANCELLED_CHECK - CANCELLED for the fast path's one-string commit: a cancellation
 #   row turns into an error that aborts the transaction (COMMIT then rolls back)
 # %s task_id, key
-# returns no row, or fails with "<CANCELLED_MARKER> <who>" (not an integer)
+# returns no row, or fails with "<CANCELLED_MARKER> <who> <CANCELLED_END>" (not an
+#   integer)
 # locks nothing
 CANCELLED_CHECK = (
-    f"SELECT CAST('{CANCELLED_MARKER} ' || requested_by AS integer) "
+    f"SELECT CAST('{CANCELLED_MARKER} ' || requested_by || ' {CANCELLED_END}' AS integer) "
     "FROM django_outbox_cancellation WHERE task_id = %s OR idempotency_key = %s LIMIT 1"
 )
 

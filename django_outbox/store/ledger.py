@@ -134,7 +134,9 @@ def effect(
                 trips.execute_and_commit(statements)
             except DatabaseError as exc:
                 # The markers are ours; the server's wording around them may be localized.
-                cancelled = re.search(rf'{ledger_sql.CANCELLED_MARKER} ([^"]*)"', str(exc))
+                cancelled = re.search(
+                    rf"{ledger_sql.CANCELLED_MARKER} (.*?) {ledger_sql.CANCELLED_END}", str(exc)
+                )
                 if cancelled is not None:
                     raise JobCancelled(task_id, key, by=cancelled.group(1)) from None
                 found = re.search(rf"{ledger_sql.STALE_MARKER} (\d+)", str(exc))

@@ -27,6 +27,7 @@ from celery_explicit import execution_lease
 from celery_explicit.errors import LeaseLost
 from celery_explicit.execution import Execution
 from celery_explicit.execution_lease_step import ExecutionLeaseStep, give_back, hand_back
+from celery_explicit.headers import FENCE_FREE_LEASE_HEADER, REDELIVERED_HEADER
 from celery_explicit.steps import RUN, Job
 from django_outbox.incident import timeline, verdict
 from django_outbox.models import Fence, ProcessedOperation
@@ -35,7 +36,7 @@ from django_outbox.store import ledger
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def delivered(task_id: str, *, redelivered: bool) -> Job:
+def delivered(task_id: str, *, redelivered: bool, header: str = "") -> Job:
     execution = Execution(
         task_id=task_id,
         task_name="tests.ship",
@@ -48,6 +49,8 @@ def delivered(task_id: str, *, redelivered: bool) -> Job:
     request = SimpleNamespace(
         id=task_id, retries=0, delivery_info={"redelivered": redelivered}, headers={}
     )
+    if header:
+        setattr(request, header, True)  # Celery hands a message's headers to the request
     return Job(task_name="tests.ship", request=request, execution=execution)
 
 
@@ -72,9 +75,19 @@ def commit(job: Job, fence: int) -> str:
     return "committed"
 
 
-@pytest.mark.parametrize("redelivered", [True, False], ids=["redelivery", "control-first"])
+@pytest.mark.parametrize(
+    ("redelivered", "header"),
+    [
+        (True, ""),
+        # A deferred copy of a redelivery, and a copy the reconciler published again.
+        (False, REDELIVERED_HEADER),
+        (False, FENCE_FREE_LEASE_HEADER),
+        (False, ""),
+    ],
+    ids=["redelivery", "deferred-redelivery", "republished", "control-first"],
+)
 def test_an_earlier_execution_with_a_lost_record_cannot_commit(
-    redis_client: redis.Redis, redelivered: bool
+    redis_client: redis.Redis, redelivered: bool, header: str
 ) -> None:
     task_id = uuid.uuid4().hex
     step = ExecutionLeaseStep("tests.ship", ttl=30.0)
@@ -82,7 +95,8 @@ def test_an_earlier_execution_with_a_lost_record_cannot_commit(
     assert isinstance(earlier, execution_lease.Taken)
     lose_the_lease(redis_client, task_id)
 
-    job = delivered(task_id, redelivered=redelivered)
+    job = delivered(task_id, redelivered=redelivered, header=header)
+    fenced = redelivered or bool(header)
     assert step.before_run(job) is RUN
     newer = job.execution.fence
     assert newer is not None and newer > earlier.fence
@@ -90,7 +104,7 @@ def test_an_earlier_execution_with_a_lost_record_cannot_commit(
         outcome = commit(job, earlier.fence)
     finally:
         execution_lease.release(task_id, newer, client=redis_client)
-    if redelivered:
+    if fenced:
         fence = Fence.objects.get(task_id=task_id)
         assert (fence.token, fence.cause, fence.taken_over_from) == (newer, "unleased", "")
         assert outcome == "refused"
@@ -160,3 +174,31 @@ def test_a_lease_taken_over_is_lost_without_asking_the_database(
     assert stale.lost_lease  # the newer execution's marker is there: no fence row needed
     assert not Fence.objects.filter(task_id=task_id).exists()
     execution_lease.release(task_id, newer.fence, client=redis_client)
+
+
+def test_without_the_database_the_redelivery_keeps_the_lease_and_retries(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fence row cannot be written: the job is retried, and the lease kept, so the
+    retry finds it not released and takes it over (writing the fence then) instead of
+    finding it free with nothing to say it must fence."""
+    from django.db import OperationalError
+
+    from celery_explicit import store
+    from celery_explicit.steps import RetryLater
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise OperationalError("the database is down")
+
+    monkeypatch.setattr(store.get(), "record_fence", refuse)
+    task_id = uuid.uuid4().hex
+    job = delivered(task_id, redelivered=True)
+    decision = ExecutionLeaseStep("tests.ship", ttl=0.2).before_run(job)
+    assert isinstance(decision, RetryLater) and job.execution.fence is None
+    assert redis_client.exists(execution_lease.lease_key(task_id))
+    import time
+
+    time.sleep(0.3)  # the kept lease runs out
+    again = execution_lease.acquire(task_id, ttl=30.0, client=redis_client)
+    assert isinstance(again, execution_lease.Taken) and again.took_over_from
+    execution_lease.release(task_id, again.fence, client=redis_client)

@@ -27,7 +27,8 @@ STATEMENTS = {
     f"{module.__name__.rsplit('.', 1)[1]}.{name}": getattr(module, name)
     for module in MODULES
     for name in module.__all__
-    if isinstance(getattr(module, name), str) and name not in ("STALE_MARKER", "CANCELLED_MARKER")
+    if isinstance(getattr(module, name), str)
+    and name not in ("STALE_MARKER", "CANCELLED_MARKER", "CANCELLED_END")
 }
 
 TABLES = {

@@ -2,10 +2,10 @@
 
 ``Cancellation`` rows are an operator's decisions (who, when, why), kept as evidence:
 read-only here. The action "Cancel these jobs" sits on the attempt and dead-letter
-lists: each selected row's job is cancelled by its task id
-(``django_outbox.store.cancellations``), and what could not be cancelled (an effect
-already committed) is said, one message each. It needs the ``add_cancellation``
-permission.
+lists: each selected attempt's job is cancelled by its task id, each dead letter's by
+its key, so a replay of it does not run either (``django_outbox.store.cancellations``);
+what could not be cancelled (an effect already committed) is said, one message each.
+It needs the ``add_cancellation`` permission.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin, messages
+from django.db import DatabaseError
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
@@ -34,7 +35,12 @@ class CancellationAdmin(ReadOnlyAdmin):
 
 
 class CancelJobs:
-    """The "Cancel these jobs" action, for a list whose rows have a ``task_id``."""
+    """The "Cancel these jobs" action, for a list whose rows have a ``task_id`` and an
+    ``idempotency_key``. ``cancel_by_key``: cancel every job of each row's key (the
+    dead letters': a replay is a new task id of the same key), else the row's task id
+    (the attempts': that job)."""
+
+    cancel_by_key = False
 
     def has_cancel_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm("django_outbox.add_cancellation"))
@@ -43,11 +49,13 @@ class CancelJobs:
     def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         by = request.user.get_username()
         done = 0
-        for task_id in sorted(set(queryset.values_list("task_id", flat=True))):
+        for task_id, key in sorted(set(queryset.values_list("task_id", "idempotency_key"))):
+            named = {"key": key} if self.cancel_by_key and key else {"task_id": task_id}
             try:
-                _row, new = cancellations.cancel(task_id=task_id, by=by)
-            except cancellations.NotCancelled as exc:
-                self.message_user(request, f"task {task_id}: {exc}", messages.WARNING)  # type: ignore[attr-defined]
+                _row, new = cancellations.cancel(**named, by=by)
+            except (cancellations.NotCancelled, DatabaseError) as exc:
+                what = f"key {key}" if "key" in named else f"task {task_id}"
+                self.message_user(request, f"{what}: {exc}", messages.WARNING)  # type: ignore[attr-defined]
                 continue
             done += int(new)
         self.message_user(request, f"Cancelled {done} job(s).", messages.SUCCESS)  # type: ignore[attr-defined]

@@ -71,6 +71,7 @@ class DeadLetterStatusFilter(admin.SimpleListFilter):
 
 @admin.register(DeadLetter)
 class DeadLetterAdmin(CancelJobs, ReadOnlyAdmin):
+    cancel_by_key = True  # a replay is a new task id of the same key
     list_display = (
         "last_attempt",
         "task_name",

@@ -15,6 +15,7 @@ import getpass
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
 
 from django_outbox import times
 from django_outbox.store import cancellations
@@ -43,6 +44,11 @@ class Command(BaseCommand):
             )
         except cancellations.NotCancelled as exc:
             raise CommandError(str(exc)) from None
+        except DatabaseError as exc:
+            raise CommandError(
+                f"nothing cancelled: the database refused ({type(exc).__name__}: {exc}); "
+                "run it again"
+            ) from None
         what = f"task {row.task_id}" if row.task_id else f"key {row.idempotency_key}"
         if new:
             self.stdout.write(

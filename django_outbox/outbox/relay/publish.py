@@ -119,7 +119,7 @@ class PublishPolicy:
             refused = _refusal(exc)
             if refused is None:
                 raise
-            return self.fail(event, refused)
+            return self.fail(event, refused, spend=False)
         except Exception as exc:
             # Anything else this one event raises is its own problem: it must not stop
             # the events after it.
@@ -130,13 +130,17 @@ class PublishPolicy:
             return OutboxStatus.DEDUPLICATED
         return OutboxStatus.PUBLISHED
 
-    def fail(self, event: Claimed, exc: Exception) -> OutboxStatus | None:
-        """Back the event off, or dead-letter it past its attempts."""
-        attempts = event.attempts + 1
+    def fail(self, event: Claimed, exc: Exception, *, spend: bool = True) -> OutboxStatus | None:
+        """Back the event off, or dead-letter it past its attempts.
+
+        ``spend=False`` (the broker refused the message: a full queue pushing back)
+        waits a capped, jittered backoff without spending an attempt: backpressure that
+        lasts is waited out, as an outage is, never turned into a dead letter."""
+        attempts = event.attempts + 1 if spend else event.attempts
         error_class = qualname(exc)
         message = f"{error_class}: {exc}"
         publish_failed.labels(event.task_name, error_class).inc()
-        if attempts >= self.max_attempts:
+        if spend and attempts >= self.max_attempts:
             self.dead_letter(
                 event,
                 DeadLetterReason.EXHAUSTED,
@@ -144,14 +148,20 @@ class PublishPolicy:
                 message=f"outbox event failed to publish {attempts} times: {message}",
             )
             return OutboxStatus.DEAD_LETTER
-        delay = backoff_delay(attempts, base=self.backoff_base, cap=self.backoff_cap, rng=self.rng)
+        delay = backoff_delay(
+            attempts if spend else self.max_attempts,
+            base=self.backoff_base,
+            cap=self.backoff_cap,
+            rng=self.rng,
+        )
         OutboxEvent.objects.using(self.using).filter(id=event.id).update(
-            attempts=F("attempts") + 1,
+            attempts=F("attempts") + (1 if spend else 0),
             last_error=message[:4000],
             available_at=Now() + timedelta(seconds=delay),
         )
         logger.warning(
-            "outbox event %s (%s) failed to publish, attempt %d; next try in %.1fs: %s",
+            "outbox event %s (%s) failed to publish, attempt %d; next try in %.1fs: %s"
+            + ("" if spend else " (not counted against EXPLICIT_OUTBOX_MAX_ATTEMPTS)"),
             event.event_id,
             event.task_name,
             attempts,

@@ -97,7 +97,7 @@ from prometheus_client import Counter
 
 from celery_explicit import execution_lease, job_log, message_lease, redis_state, republish
 from celery_explicit.errors import qualname
-from celery_explicit.headers import KEY_HEADER, PUBLISHED_VIA_HEADER
+from celery_explicit.headers import FENCE_FREE_LEASE_HEADER, KEY_HEADER, PUBLISHED_VIA_HEADER
 from django_outbox import broker_queues
 from django_outbox.conf import settings
 from django_outbox.models import (
@@ -304,6 +304,8 @@ class Reconciler:
                 queue = self._queue_of(task, event)
                 if queue not in heads:
                     heads[queue] = _head(broker_queues.queue_state(conn, queue))
+                    if broker_client is None and heads[queue].unacked is None:
+                        _unread_once(queue)
                 # The message to look past: the first publish, or the latest attempt's
                 # next one (published when that attempt ended).
                 sent = latest.sent if latest else _timestamp(event.published_at)
@@ -348,7 +350,9 @@ class Reconciler:
             event.kwargs,
             task_id=str(event.event_id),
             producer=producer,
-            headers={PUBLISHED_VIA_HEADER: "outbox", **headers},
+            # An earlier execution may still run, its lease's record lost: this copy
+            # fences it if it finds the lease free (celery_explicit.execution_lease_step).
+            headers={PUBLISHED_VIA_HEADER: "outbox", **headers, FENCE_FREE_LEASE_HEADER: True},
             retry=False,
             **options,
         )
@@ -461,8 +465,32 @@ def _head(state: broker_queues.QueueState) -> Head:
 def _workers_may_hold(head: Head) -> bool:
     """On a broker without per-message records (RabbitMQ): a worker may hold the job's
     message, alive. The management API's figures say it: a message unacknowledged, or
-    one ready while the (newer) declare finds none, delivered since; unread, it may."""
-    return head.unacked != 0 or (head.depth == 0 and head.reported_ready != 0)
+    one ready while the (newer) declare finds none, delivered since.
+
+    Unread (the API off, unreachable, or not sent the broker's credentials over plain
+    http to another host): the queue alone decides, as without the API, and a WARNING
+    says so once per queue. Holding every event back instead would stop recovering
+    lost jobs altogether, with nothing to show for it."""
+    if head.unacked is None:
+        return False
+    return head.unacked != 0 or (head.depth == 0 and head.reported_ready not in (0, None))
+
+
+_warned_unread: set[str] = set()
+
+
+def _unread_once(queue: str) -> None:
+    if queue in _warned_unread:
+        return
+    _warned_unread.add(queue)
+    logger.warning(
+        "outbox reconcile: queue %s's unacknowledged messages cannot be read (RabbitMQ's "
+        "management API: EXPLICIT_RABBITMQ_MANAGEMENT_URL); a job a worker has prefetched "
+        "but not started may be published again (its key absorbs the copy; an ordered "
+        "event is dead-lettered not_received)",
+        queue,
+        extra={"layer": "delivery"},
+    )
 
 
 def _queue_is_past(head: Head, sent: float | None, *, records: bool) -> bool:
