@@ -284,3 +284,10 @@ cancelled = _Counter(
     "at_commit (the effect refused) (delivery and effect layers).",
     ["task", "stage"],
 )
+app_version_info = _Gauge(
+    "explicit_app_version_info",
+    "1 for the version of the code a process records its attempts under "
+    "(EXPLICIT_APP_VERSION, celery_explicit.app_version; '' when unknown).",
+    ["version"],
+    multiprocess_mode="max",
+)

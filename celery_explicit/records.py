@@ -142,6 +142,19 @@ def attempt(
     emit(execution, outcome, exc=exc, retry_delay=retry_delay)
 
 
+_version_announced = False
+
+
+def _announce_version() -> None:
+    """``explicit_app_version_info{version}`` = 1, once per process: the metrics say
+    which code the attempts counted beside it came from (a deploy's versions side by
+    side while it rolls)."""
+    global _version_announced
+    if not _version_announced:
+        metrics.app_version_info.labels(app_version.current()).set(1)
+        _version_announced = True
+
+
 def emit(
     execution: Execution,
     outcome: Outcome,
@@ -156,6 +169,7 @@ def emit(
     it), ERROR with the traceback only for an error nobody classified.
     """
     execution.outcome = outcome  # how it ended, for whoever reads it after (a span)
+    _announce_version()
     metrics.executions.labels(execution.task_name, outcome.value).inc()
     elapsed = (timezone.now() - execution.started_at).total_seconds()
     metrics.attempt_duration_seconds.labels(execution.task_name).observe(elapsed)

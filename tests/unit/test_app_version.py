@@ -58,3 +58,21 @@ def test_the_check_refuses_a_version_no_row_can_hold(value: str, problem: str) -
     [found] = setting.problems(value)
     assert "EXPLICIT_APP_VERSION" in str(found) and problem in str(found)
     assert setting.problems("v1.2.3+build.7") == []
+
+
+def test_a_process_says_its_version_in_the_metrics(
+    settings, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client import REGISTRY
+
+    from celery_explicit import records
+
+    settings.EXPLICIT_APP_VERSION = "2026.12.9"
+    app_version.current.cache_clear()
+    monkeypatch.setattr(records, "_version_announced", False)
+    try:
+        records._announce_version()
+        value = REGISTRY.get_sample_value("explicit_app_version_info", {"version": "2026.12.9"})
+        assert value == 1.0
+    finally:
+        app_version.current.cache_clear()
