@@ -1,5 +1,5 @@
 """A RabbitMQ node of a test's own, to SIGKILL and start again on its data directory
-without touching the session's broker."""
+without touching the machine's own broker."""
 
 from __future__ import annotations
 
@@ -95,14 +95,14 @@ class PrivateRabbitMQ:
         no_plugins = self.data_dir / "enabled_plugins"
         no_plugins.write_text("[].\n")
         # Read by rabbitmq-env in place of /etc/rabbitmq/rabbitmq-env.conf (the
-        # session's node name and settings).
+        # machine's node name and settings).
         env_conf = self.data_dir / "rabbitmq-env.conf"
         env_conf.write_text("")
         self.pid_file.unlink(missing_ok=True)  # the VM writes its pid there as it boots
         env = {
             **os.environ,
             # The Erlang cookie is made there on the first start: nothing is written
-            # outside data_dir, and the session's cookie is left alone.
+            # outside data_dir, and the machine's cookie is left alone.
             "HOME": str(self.data_dir),
             "RABBITMQ_NODENAME": self.node,
             "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
@@ -146,8 +146,8 @@ class PrivateRabbitMQ:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.server.process.wait(10)
         # Whatever is left of its process group (the script, erl_child_setup; the VM
-        # itself if it had not written its pid yet). epmd, shared with the session's
-        # node, is not in it: it runs as a daemon in a session of its own.
+        # itself if it had not written its pid yet). epmd, shared with the machine's
+        # node, is not in it: it runs as a daemon in a process session of its own.
         self._stop(signal.SIGKILL)
 
     def stop(self) -> None:
