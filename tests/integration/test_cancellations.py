@@ -13,7 +13,14 @@ from django.utils import timezone
 
 from celery_explicit import cancellation
 from celery_explicit.errors import JobCancelled
-from django_outbox.models import Attempt, Cancellation, Outcome, ProcessedOperation
+from django_outbox.models import (
+    Attempt,
+    Cancellation,
+    DeadLetter,
+    DeadLetterReason,
+    Outcome,
+    ProcessedOperation,
+)
 from django_outbox.store import ledger
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -133,28 +140,46 @@ def attempt_row(task_id: str, key: str) -> Attempt:
     )
 
 
-def test_the_admin_cancels_the_selected_attempts_jobs_and_says_what_it_could_not() -> None:
+def letter_row(task_id: str, key: str) -> DeadLetter:
+    now = timezone.now()
+    return DeadLetter.objects.create(
+        task_id=task_id,
+        task_name="tests.cancellable_ship",
+        reason=DeadLetterReason.PERMANENT,
+        idempotency_key=key,
+        first_seen=now,
+        last_attempt=now,
+    )
+
+
+def test_the_admin_cancels_the_selected_letters_jobs_by_key_and_says_what_it_could_not() -> None:
     from django.contrib.auth.models import User
     from django.test import Client
 
     waiting = attempt_row(uuid.uuid4().hex, f"ship:{uuid.uuid4().hex[:8]}")
-    applied = attempt_row("t-applied", f"ship:{uuid.uuid4().hex[:8]}")
+    letter = letter_row(waiting.task_id, waiting.idempotency_key)
+    applied = letter_row("t-applied", f"ship:{uuid.uuid4().hex[:8]}")
     assert commit("t-applied", applied.idempotency_key, cancellable=True) == "committed"
     client = Client()
     client.force_login(User.objects.create_superuser(f"oncall-{uuid.uuid4().hex[:6]}"))
     page = client.post(
-        "/admin/django_outbox/attempt/",
-        {"action": "cancel_jobs", "_selected_action": [waiting.pk, applied.pk]},
+        "/admin/django_outbox/deadletter/",
+        {"action": "cancel_jobs", "_selected_action": [letter.pk, applied.pk]},
         follow=True,
     )
     said = [str(m) for m in page.context["messages"]]
     assert "Cancelled 1 job(s)." in said
-    assert any(m.startswith("task t-applied: cannot cancel: the effect of key") for m in said)
+    assert any(
+        m.startswith(f"key {applied.idempotency_key}: cannot cancel: the effect of key")
+        for m in said
+    ), said
     row = Cancellation.objects.get()
-    assert row.task_id == waiting.task_id and row.requested_by.startswith("oncall-")
+    # By key: a replay of the letter (a new task id, the same key) is cancelled too.
+    assert row.idempotency_key == waiting.idempotency_key and row.task_id == ""
+    assert row.requested_by.startswith("oncall-")
     # The job's timeline and verdict say it.
     from tests.support.explaining import explain, verdict_of
 
     text = explain(waiting.idempotency_key)
-    assert f"task {waiting.task_id} cancelled by {row.requested_by}" in text
+    assert f"every job of key {waiting.idempotency_key} cancelled by {row.requested_by}" in text
     assert f"cancelled by {row.requested_by} at " in verdict_of(text), text
