@@ -78,6 +78,16 @@ def depth(name: str) -> int:
     return int(count)
 
 
+def drop_pools(app) -> None:  # type: ignore[no-untyped-def]
+    """Close the app's connection and producer pools and forget them, so the next
+    publish makes new ones from the broker settings of that moment. Closed and kept,
+    a pool refuses every later test's publish ("Acquire on closed pool")."""
+    with contextlib.suppress(Exception):
+        app.pool.force_close_all()
+    app._pool = None
+    app.amqp._producer_pool = None
+
+
 @pytest.fixture
 def rabbitmq_app(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The tests' Celery app on RabbitMQ; a queue name of this test's own, deleted after."""
@@ -87,12 +97,11 @@ def rabbitmq_app(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setitem(app.conf, "broker_url", RABBITMQ_URL)
     monkeypatch.setitem(app.conf, "broker_write_url", RABBITMQ_URL)
     monkeypatch.setitem(app.conf, "broker_transport_options", {})
-    with contextlib.suppress(Exception):
-        app.pool.force_close_all()
+    drop_pools(app)
     yield name
     subprocess.run(["rabbitmqctl", "clear_policy", name], check=False, capture_output=True)
-    with contextlib.suppress(Exception):
-        app.pool.force_close_all()
+    # Before monkeypatch puts the broker back: the next pool is made from it then.
+    drop_pools(app)
     with Connection(RABBITMQ_URL) as conn, contextlib.suppress(Exception):
         conn.channel().queue_delete(name)
 
