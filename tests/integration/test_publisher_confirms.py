@@ -79,11 +79,10 @@ def depth(name: str) -> int:
 
 
 def drop_pools(app) -> None:  # type: ignore[no-untyped-def]
-    """Close the app's connection and producer pools and forget them, so the next
-    publish makes new ones from the broker settings of that moment. Closed and kept,
-    a pool refuses every later test's publish ("Acquire on closed pool")."""
-    with contextlib.suppress(Exception):
-        app.pool.force_close_all()
+    """Forget the app's connection and producer pools, so the next publish takes the
+    pools of the broker settings of that moment. Never closed: they are kombu's
+    process-wide pools, and a closed one refuses every later test's publish through
+    it ("Acquire on closed pool")."""
     app._pool = None
     app.amqp._producer_pool = None
 
