@@ -120,7 +120,7 @@ def main() -> None:
         run, not only when the scheduler allows it."""
 
         sql = without(
-            r"AND \(event\.ordering_key = '' OR NOT EXISTS \(.*?earlier\.id < event\.id\)\)"
+            r"AND \(event\.ordering_key = '' OR event\.id IN \(.*?GROUP BY oldest\.ordering_key\)\)"
         )
         claims = 0
 

@@ -48,7 +48,12 @@ def test_the_statement_names_model_tables_and_their_columns(name: str) -> None:
     sql = STATEMENTS[name]
     # What each statement reads or writes: not a CTE's name, nor ``FROM event.x``
     # (extract()'s) or ``DO UPDATE SET`` / ``FOR UPDATE OF``.
-    ctes = set(re.findall(r"\bWITH\s+(\w+)\s+AS\b", sql))
+    ctes = set(
+        re.findall(
+            r"(?:\bWITH(?:\s+RECURSIVE)?|,)\s+(\w+)(?:\([^)]*\))?\s+AS\s+(?:MATERIALIZED\s+)?\(",
+            sql,
+        )
+    )
     named = set(re.findall(r"\b(?:FROM|INTO|(?<!DO )(?<!FOR )UPDATE)\s+(\w+)\b(?!\.)", sql)) - ctes
     named |= set(re.findall(r"\bdjango_outbox_\w+", sql))
     for table in named:

@@ -18,7 +18,13 @@ from celery_explicit.errors import ExplicitError
 from django_outbox import errors
 from django_outbox.cache import versioned
 from django_outbox.models import OutboxEvent, OutboxStatus
-from django_outbox.outbox.relay.claim import CLAIM_POSTGRESQL, CLAIM_SQLITE, Claimed, claim_sql
+from django_outbox.outbox.relay.claim import (
+    CLAIM_BEYOND_POSTGRESQL,
+    CLAIM_POSTGRESQL,
+    CLAIM_SQLITE,
+    Claimed,
+    claim_sql,
+)
 from tests.support.processes import ROOT
 
 
@@ -90,18 +96,27 @@ def test_the_app_errors_share_one_root_under_explicit_error() -> None:
 # --- the claim's literal SQL -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sql", [CLAIM_POSTGRESQL, CLAIM_SQLITE], ids=["postgresql", "sqlite"])
-def test_the_claim_names_the_model_table_and_status(sql: str) -> None:
+@pytest.mark.parametrize(
+    ("sql", "reads", "tests"),
+    [(CLAIM_POSTGRESQL, 4, 3), (CLAIM_BEYOND_POSTGRESQL, 6, 5), (CLAIM_SQLITE, 3, 2)],
+    ids=["postgresql", "postgresql-beyond", "sqlite"],
+)
+def test_the_claim_names_the_model_table_and_status(sql: str, reads: int, tests: int) -> None:
     # Written out, not built from the model: a renamed table or status must fail here.
+    # (``reads``, ``tests``: how often each statement names the table and a status.)
     tables = re.findall(r"\bFROM\s+(\w+)\s+AS\b", sql)
-    assert len(tables) == 3
+    assert len(tables) == reads
     assert set(tables) == {OutboxEvent._meta.db_table}
     statuses = re.findall(r"\.status = '(\w+)'", sql)
-    assert len(statuses) == 2
+    assert len(statuses) == tests
     assert set(statuses) == {OutboxStatus.PENDING.value}
 
 
-@pytest.mark.parametrize("sql", [CLAIM_POSTGRESQL, CLAIM_SQLITE], ids=["postgresql", "sqlite"])
+@pytest.mark.parametrize(
+    "sql",
+    [CLAIM_POSTGRESQL, CLAIM_BEYOND_POSTGRESQL, CLAIM_SQLITE],
+    ids=["postgresql", "postgresql-beyond", "sqlite"],
+)
 def test_the_claim_selects_the_columns_claimed_reads_in_order(sql: str) -> None:
     selected = re.search(r"\)\s*SELECT (.*?)\nFROM ", sql, re.DOTALL)
     assert selected is not None
@@ -117,8 +132,10 @@ def test_the_claim_selects_the_columns_claimed_reads_in_order(sql: str) -> None:
 def test_each_database_gets_its_claim() -> None:
     assert claim_sql("postgresql") is CLAIM_POSTGRESQL
     assert claim_sql("sqlite") is CLAIM_SQLITE
-    # The PostgreSQL claim locks what it returns, after the LIMIT; SQLite cannot lock.
-    assert "MATERIALIZED" in CLAIM_POSTGRESQL
-    assert "FOR UPDATE OF event SKIP LOCKED" in CLAIM_POSTGRESQL
+    # The PostgreSQL claims lock what they return, after the LIMIT; SQLite cannot lock.
+    for sql in (CLAIM_POSTGRESQL, CLAIM_BEYOND_POSTGRESQL):
+        assert "MATERIALIZED" in sql
+        assert "FOR UPDATE OF event SKIP LOCKED" in sql
     assert "FOR UPDATE" not in CLAIM_SQLITE
-    assert "{" not in CLAIM_POSTGRESQL + CLAIM_SQLITE  # nothing left to format in
+    # nothing left to format in
+    assert "{" not in CLAIM_POSTGRESQL + CLAIM_BEYOND_POSTGRESQL + CLAIM_SQLITE

@@ -1,12 +1,12 @@
-"""The relay's claim: which pending outbox events one batch takes, as one SQL statement.
+"""The relay's claim: which pending outbox events one batch takes, in SQL.
 
 ``claim_batch(using, limit)`` runs it in the caller's transaction and
 returns the rows as ``Claimed`` (the columns publishing needs, no model instances).
 
 **Several relays, no double publish.** The claim locks its rows with ``FOR UPDATE
 SKIP LOCKED``: a second relay skips rows another holds instead of waiting for them or
-publishing them too. It sits in a ``MATERIALIZED`` CTE so the ``LIMIT`` is applied
-before the lock: inlined, the planner may lock more rows than it returns.
+publishing them too. Each lock sits in a ``MATERIALIZED`` CTE so the ``LIMIT`` is
+applied before the lock: inlined, the planner may lock more rows than it returns.
 
 **Order per key.** An event with an ``ordering_key`` is claimed only while no older
 event with that key is pending, so at most one event per key is in flight, across all
@@ -16,8 +16,16 @@ claimable; ``django_outbox.outbox.events`` makes sure rows of one key are number
 order.) A key publishes one event per batch; keys proceed in parallel; events without
 a key are not held back at all.
 
-The statements are written out whole, one per database, so what runs is what is read
-(``django_outbox.db.relay_sql``, with the locks each takes and why it is written so).
+**Heads by key, not event by event.** On PostgreSQL the claim takes each key's oldest
+pending event among the oldest four batches' worth of events; when that does not fill
+the batch and more events wait, a second statement finds the heads beyond them by a
+loose index scan, one index descent per key. What a claim reads does not grow with the
+events queued behind a head another relay holds. Both are planned with sorts off
+(``relay_sql.SORT_OFF``, for the claim only): statistics taken with nothing pending would let the
+planner sort the whole backlog instead of reading an index in order.
+
+The statements are written out whole, one set per database, so what runs is what is
+read (``django_outbox.db.relay_sql``, with the locks each takes and why it is written so).
 """
 
 from __future__ import annotations
@@ -34,11 +42,12 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from django_outbox.conf import settings
-from django_outbox.db import libpq
-from django_outbox.db.relay_sql import CLAIM_POSTGRESQL, CLAIM_SQLITE
+from django_outbox.db import libpq, relay_sql
+from django_outbox.db.relay_sql import CLAIM_BEYOND_POSTGRESQL, CLAIM_POSTGRESQL, CLAIM_SQLITE
 
 # The claim's statements are importable where the claim is.
 __all__ = [
+    "CLAIM_BEYOND_POSTGRESQL",
     "CLAIM_POSTGRESQL",
     "CLAIM_SQLITE",
     "Claimed",
@@ -129,8 +138,11 @@ class Claimed:
         )
 
 
-def run_claim(using: str, sql: str, limit: int) -> list[Claimed]:
-    """Run a claim statement on the database ``using``, in its current transaction."""
+def run_claim(using: str, sql: str, limit: int, *, beyond: bool = False) -> list[Claimed]:
+    """Run a claim statement (``%(limit)s`` its one parameter) on the database ``using``,
+    in its current transaction; on PostgreSQL with sorts off, as the claims are written
+    (``relay_sql.SORT_OFF``). With ``beyond`` (PostgreSQL), fill what it left of the batch
+    with ``CLAIM_BEYOND_POSTGRESQL`` when more events wait than it looks at."""
     connection = connections[using]
     if not connection.in_atomic_block:
         # In autocommit the row locks would be released before the caller publishes:
@@ -138,15 +150,50 @@ def run_claim(using: str, sql: str, limit: int) -> list[Claimed]:
         raise TransactionManagementError(
             "the outbox claim locks its rows until commit: run it in transaction.atomic()"
         )
+    postgresql = connection.vendor == "postgresql"
+    params = {"limit": int(limit)}
+    more: bool | None = None  # whether more events wait than the claim looks at
     trips = libpq.for_new_transaction(connection, settings.outbox_relay_round_trips)
     if trips is not None:
-        # BEGIN and the claim in one round trip. The limit is the one value: an int,
-        # written as such ('%%' becomes '%' as the cursor's binding would make it).
-        claimed = trips.run_all(f"BEGIN; {sql % (int(limit),)}")[1]
-        return [Claimed.from_row(row) for row in trips.rows(claimed)]
+        # BEGIN, the claim and the look-ahead's test in one round trip, with sorts off.
+        # The limit is the one value: an int, written as such ('%%' becomes '%' as the
+        # cursor's binding would make it).
+        statements = [sql, relay_sql.BEYOND_LOOKAHEAD] if beyond else [sql]
+        sent = [statement % params for statement in statements]
+        results = trips.run_all(
+            "; ".join(["BEGIN", relay_sql.SORT_OFF, *sent, relay_sql.SORT_DEFAULT])
+        )
+        rows = trips.rows(results[2])
+        if beyond:
+            more = trips.rows(results[3])[0][0]
+    else:
+        with connection.cursor() as cursor:
+            if postgresql:
+                cursor.execute(relay_sql.SORT_OFF)
+            cursor.execute(sql, params)
+            rows = cursor.fetchall()
+            if postgresql:
+                cursor.execute(relay_sql.SORT_DEFAULT)
+    claimed = [Claimed.from_row(row) for row in rows]
+    if not beyond or len(claimed) >= limit:
+        return claimed
     with connection.cursor() as cursor:
-        cursor.execute(sql, [limit])
-        return [Claimed.from_row(row) for row in cursor.fetchall()]
+        cursor.execute(relay_sql.SORT_OFF)
+        if more is None:
+            cursor.execute(relay_sql.BEYOND_LOOKAHEAD, params)
+            more = cursor.fetchone()[0]
+        if more:
+            cursor.execute(
+                CLAIM_BEYOND_POSTGRESQL,
+                {
+                    "limit": int(limit) - len(claimed),
+                    "batch": int(limit),
+                    "after": claimed[-1].id if claimed else 0,
+                },
+            )
+            claimed += [Claimed.from_row(row) for row in cursor.fetchall()]
+        cursor.execute(relay_sql.SORT_DEFAULT)
+    return claimed
 
 
 def claim_batch(using: str, limit: int) -> list[Claimed]:
@@ -157,7 +204,8 @@ def claim_batch(using: str, limit: int) -> list[Claimed]:
     hence unclaimable by other relays, until that transaction ends. The claim writes
     (it locks rows), so ``using`` is the database events are written to, never a replica.
     """
-    return run_claim(using, claim_sql(connections[using].vendor), limit)
+    vendor = connections[using].vendor
+    return run_claim(using, claim_sql(vendor), limit, beyond=vendor == "postgresql")
 
 
 def _aware(value: datetime | str | float) -> datetime:
