@@ -17,6 +17,12 @@ publish committed, so many events on few keys scale less than many keys.
 
     scripts/bench relay_scaling.py [--events 20000] [--keys 500] [--rounds 3]
                                    [--relays 1,2,4] [--batch-size 500]
+                                   [--unkeyed-every 4] [--claims new,walk]
+
+``--claims new,walk`` runs every relay count with each claim in turn, in the same
+rounds: ``new`` is the package's claim, ``walk`` the claim it replaced (kept below,
+``WALK_CLAIM``), whose relays run as ``relay_scaling.py --relay walk``: the relay
+command claiming with that statement alone, as it ran before.
 
 Everything shares one machine's cores (2 here): relays, PostgreSQL and Redis.
 """
@@ -37,8 +43,59 @@ from collections import defaultdict
 
 from common import DB_NAME, ROOT, setup_django, vacuum
 
+# The claim before heads were found by key: every pending event in id order, each with
+# the head-of-key test, until LIMIT are found. Behind heads another relay holds, it
+# reads every pending event of the backlog.
+WALK_CLAIM = """
+WITH claimed AS MATERIALIZED (
+    SELECT event.id
+    FROM django_outbox_event AS event
+    WHERE event.status = 'pending'
+      AND event.available_at <= now()
+      AND (event.ordering_key = '' OR NOT EXISTS (
+            SELECT 1 FROM django_outbox_event AS earlier
+            WHERE earlier.ordering_key = event.ordering_key
+              AND earlier.status = 'pending'
+              AND earlier.id < event.id))
+    ORDER BY event.id
+    LIMIT %(limit)s
+    FOR UPDATE OF event SKIP LOCKED
+)
+SELECT event.id, event.event_id::text, event.task_name, event.args, event.kwargs,
+       event.headers, event.options, event.ordering_key, event.attempts,
+       extract(epoch FROM event.created_at)::float8
+FROM django_outbox_event AS event
+WHERE event.id = ANY(ARRAY(SELECT id FROM claimed))
+ORDER BY event.id
+"""
+
+CLAIMS = ("new", "walk")
+
+
+def relay(claim: str, argv: list[str]) -> None:
+    """``manage.py explicit_relay`` with ``argv``, claiming with ``claim``."""
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    from django_outbox.db import relay_sql
+    from django_outbox.outbox.relay import claim as package_claim
+
+    if claim == "walk":
+        # The relay claims through claim_batch(): the walk alone, as it ran before, with
+        # the server's planner settings (run_claim() sends SORT_OFF before a claim).
+        relay_sql.SORT_OFF = relay_sql.SORT_DEFAULT
+        package_claim.claim_batch = lambda using, limit: package_claim.run_claim(
+            using, WALK_CLAIM, limit
+        )
+    call_command("explicit_relay", *argv)
+
 
 def main() -> None:
+    if sys.argv[1:2] == ["--relay"]:
+        relay(sys.argv[2], sys.argv[3:])
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", type=int, default=20000)
     parser.add_argument("--keys", type=int, default=500, help="ordering keys in the backlog")
@@ -51,8 +108,15 @@ def main() -> None:
     parser.add_argument(
         "--poll-interval", type=float, default=None, help="relays poll this often (no NOTIFY)"
     )
+    parser.add_argument(
+        "--claims", default="new", help="claims to compare: new (the package's), walk (before)"
+    )
     args = parser.parse_args()
     counts = [int(c) for c in args.relays.split(",")]
+    claims = args.claims.split(",")
+    for name in claims:
+        if name not in CLAIMS:
+            parser.error(f"--claims: {name!r} is none of {', '.join(CLAIMS)}")
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     os.environ["EXPLICIT_BENCH_QUEUE"] = queue
     setup_django()
@@ -75,17 +139,23 @@ def main() -> None:
         "PYTHONPATH": str(ROOT),
     }
 
-    def start_relays(k: int) -> list[subprocess.Popen[str]]:
+    def start_relays(k: int, claim: str) -> list[subprocess.Popen[str]]:
         relays = []
+        polling = ["--poll-interval", str(args.poll_interval)] if args.poll_interval else []
+        options = ["--batch-size", str(args.batch_size), *polling]
+        if claim == "new":
+            command = [sys.executable, "-m", "django", "explicit_relay", *options]
+        else:
+            command = [sys.executable, __file__, "--relay", claim, *options]
         for _ in range(k):
-            # fmt: off
-            polling = ["--poll-interval", str(args.poll_interval)] if args.poll_interval else []
             relay = subprocess.Popen(
-                [sys.executable, "-m", "django", "explicit_relay", "--batch-size",
-                 str(args.batch_size), *polling],
-                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
-            # fmt: on
             atexit.register(relay.kill)  # a failed run must not leave a relay publishing
             assert relay.stdout is not None
             before: list[str] = []
@@ -112,11 +182,11 @@ def main() -> None:
             )
         return events
 
-    def one_run(k: int) -> float:
+    def one_run(k: int, claim: str) -> float:
         OutboxEvent.objects.all().delete()
         vacuum()
         broker.delete(queue)
-        relays = start_relays(k)
+        relays = start_relays(k, claim)
         try:
             rows = backlog()
             with transaction.atomic():
@@ -157,19 +227,26 @@ def main() -> None:
                 last[key] = int(seq)
         assert len(seen) == args.events, (k, len(seen))
 
-    rates: dict[int, list[float]] = {k: [] for k in counts}
+    runs = [(claim, k) for claim in claims for k in counts]
+    rates: dict[tuple[str, int], list[float]] = {run: [] for run in runs}
     for round_no in range(args.rounds):
-        for k in counts:
-            rates[k].append(one_run(k))
-        line = ", ".join(f"{k}: {rates[k][-1]:.0f}/s" for k in counts)
-        print(f"round {round_no + 1}: {line} (no event twice, every key in order)")
-    base = statistics.median(rates[counts[0]])
-    print(f"\n{args.events} events, {args.keys} keys, batch {args.batch_size}:")
-    for k in counts:
-        median = statistics.median(rates[k])
+        for claim, k in runs:
+            rates[claim, k].append(one_run(k, claim))
+        line = ", ".join(f"{claim} {k}: {rates[claim, k][-1]:.0f}/s" for claim, k in runs)
+        print(f"round {round_no + 1}: {line} (no event twice, every key in order)", flush=True)
+    print(
+        f"\n{args.events} events, {args.keys} keys, 1 in {args.unkeyed_every} unkeyed, "
+        f"batch {args.batch_size}; x: per round, against the first claim's {counts[0]} relay"
+        f"{'s' if counts[0] > 1 else ''}"
+    )
+    base = rates[claims[0], counts[0]]
+    for claim, k in runs:
+        ratios = [r / b for r, b in zip(rates[claim, k], base, strict=True)]
         print(
-            f"{k} relay{'s' if k > 1 else ' '}  median {median:8.0f} events/s  "
-            f"x{median / base:.2f}  (rounds: {', '.join(f'{r:.0f}' for r in rates[k])})"
+            f"{claim:>5} {k} relay{'s' if k > 1 else ' '}  median "
+            f"{statistics.median(rates[claim, k]):8.0f} events/s  "
+            f"x{statistics.median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})  "
+            f"(rounds: {', '.join(f'{r:.0f}' for r in rates[claim, k])})"
         )
     broker.delete(queue)
 
