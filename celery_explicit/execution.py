@@ -12,6 +12,7 @@ from typing import Any
 
 from celery_explicit import sensitive
 from celery_explicit.errors import ExplicitError
+from celery_explicit.headers import REDELIVERED_HEADER
 from celery_explicit.outcomes import Outcome
 
 
@@ -94,3 +95,12 @@ def running(request: Any) -> Execution | None:
 def delivery(request: Any, name: str) -> Any:
     """A field of the broker's delivery info (routing key, redelivered flag)."""
     return (request.delivery_info or {}).get(name)
+
+
+def redelivered(request: Any) -> bool:
+    """Did the broker redeliver this job's message, here or before a deferral (whose
+    re-publish carries the flag as a header: the copy that runs is still that
+    redelivery)?"""
+    return bool(delivery(request, "redelivered")) or bool(
+        getattr(request, REDELIVERED_HEADER, False)
+    )

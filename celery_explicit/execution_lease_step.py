@@ -30,8 +30,9 @@ from django.db import Error as DatabaseError
 
 from celery_explicit import job_log, metrics, store
 from celery_explicit.execution import Execution, delivery
+from celery_explicit.execution import redelivered as execution_redelivered
 from celery_explicit.execution_lease import Held, Released, Taken, acquire, enabled, release
-from celery_explicit.headers import FENCE_FREE_LEASE_HEADER, REDELIVERED_HEADER
+from celery_explicit.headers import FENCE_FREE_LEASE_HEADER
 from celery_explicit.steps import RUN, Decision, Defer, Ending, Job, RetryLater, Step
 
 if TYPE_CHECKING:
@@ -65,11 +66,9 @@ class ExecutionLeaseStep(Step):
 
         execution = job.execution
         redelivered = bool(delivery(job.request, "redelivered"))
-        # A copy of a delivery the broker redelivered (deferred while an execution held
-        # the lease), or one the reconciler published again, carries a header instead.
-        again = redelivered or any(
-            getattr(job.request, header, False)
-            for header in (REDELIVERED_HEADER, FENCE_FREE_LEASE_HEADER)
+        # A deferred copy of a redelivery, or one the reconciler published again.
+        again = execution_redelivered(job.request) or bool(
+            getattr(job.request, FENCE_FREE_LEASE_HEADER, False)
         )
         if not enabled():
             if redelivered:

@@ -18,11 +18,10 @@ from django.utils import timezone
 
 from celery_explicit import app_version, job_log, metrics, sensitive, store
 from celery_explicit.errors import qualname
-from celery_explicit.execution import Execution, delivery
+from celery_explicit.execution import Execution, delivery, redelivered
 from celery_explicit.headers import (
     DEFERRALS_HEADER,
     PUBLISHED_VIA_HEADER,
-    REDELIVERED_HEADER,
     REPLAY_HEADER,
     SENT_AT_HEADER,
     correlation_of,
@@ -103,8 +102,7 @@ def fields_of(
         idempotency_key=execution.key,
         attempt=execution.attempt,
         # A deferred redelivery runs as a re-published copy: the header keeps the flag.
-        redelivered=bool(delivery(request, "redelivered"))
-        or bool(getattr(request, REDELIVERED_HEADER, False)),
+        redelivered=redelivered(request),
         worker_host=str(request.hostname or ""),
         worker_pid=os.getpid(),
         started_at=execution.started_at,

@@ -29,7 +29,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_explicit import execution_lease_step, job_log, ordering, redis_state
 from celery_explicit.conf import settings
-from celery_explicit.execution import Execution, delivery, running
+from celery_explicit.execution import Execution, delivery, redelivered, running
 from celery_explicit.headers import (
     CORRELATION_HEADER,
     DEFERRALS_HEADER,
@@ -182,13 +182,6 @@ def _mark_deferred(execution: Execution, delay: float) -> None:
             "again if it stays deferred past EXPLICIT_OUTBOX_RECONCILE_AFTER)",
             extra=execution.log_fields(),
         )
-
-
-def redelivered(request: Any) -> bool:
-    """Did the broker redeliver this job's message, here or before a deferral?"""
-    return bool(delivery(request, "redelivered")) or bool(
-        getattr(request, REDELIVERED_HEADER, False)
-    )
 
 
 def _end_without_republishing(task: Any, what: str) -> Ignore:
