@@ -33,6 +33,18 @@ class DeadLetterStatus(models.TextChoices):
     DISCARDED = "discarded", "discarded"
 
 
+def _app_version(did: str) -> models.CharField[str, str]:
+    """The version of the code that wrote a row (``celery_explicit.app_version``); a
+    database default, so adding the column rewrites no table."""
+    return models.CharField(
+        max_length=64,
+        blank=True,
+        default="",
+        db_default="",
+        help_text=f"version of the code that {did} (celery_explicit.app_version)",
+    )
+
+
 class ProcessedOperation(models.Model):
     """The ledger: one ledger entry per idempotency key whose effect committed.
 
@@ -46,13 +58,7 @@ class ProcessedOperation(models.Model):
     fingerprint = models.CharField(max_length=64, help_text="sha256 of the call's arguments")
     result_ref = models.CharField(max_length=255, blank=True, default="")
     processed_at = models.DateTimeField()
-    app_version = models.CharField(
-        max_length=64,
-        blank=True,
-        default="",
-        db_default="",
-        help_text="version of the code that applied it (celery_explicit.app_version)",
-    )
+    app_version = _app_version("applied it")
 
     class Meta:
         db_table = "django_outbox_processed_operation"
@@ -157,13 +163,7 @@ class Attempt(models.Model):
     sent_at = models.DateTimeField(
         null=True, blank=True, help_text="when the message this attempt ran was published"
     )
-    app_version = models.CharField(
-        max_length=64,
-        blank=True,
-        default="",
-        db_default="",
-        help_text="version of the code that ran it (celery_explicit.app_version)",
-    )
+    app_version = _app_version("ran it")
 
     class Meta:
         db_table = "django_outbox_attempt"
@@ -264,13 +264,7 @@ class DeadLetter(models.Model):
     replayed_task_id = models.CharField(max_length=255, blank=True, default="")
     resolved_at = models.DateTimeField(null=True, blank=True)
     resolved_by = models.CharField(max_length=150, blank=True, default="")
-    app_version = models.CharField(
-        max_length=64,
-        blank=True,
-        default="",
-        db_default="",
-        help_text="version of the code that wrote it (celery_explicit.app_version)",
-    )
+    app_version = _app_version("wrote it")
 
     class Meta:
         db_table = "django_outbox_dead_letter"
