@@ -4,6 +4,8 @@ with the feature on, rounds interleaved in one run.
 - ``cancellable = True`` (``celery_explicit.cancellation``): one Redis round trip per
   delivery (the two marks) and, in the effect's transaction, an advisory lock and a read
   of the cancellations (no round trip of its own on the one-string commit);
+- ``rate_limit = RateLimit(...)`` (``celery_explicit.rate_limit``), a limit never
+  reached: one script call per job (the admission);
 - the app version (``EXPLICIT_APP_VERSION``, ``celery_explicit.app_version``): a column
   on rows written anyway; the same task on a second worker whose version is set.
 
@@ -36,7 +38,7 @@ def main() -> None:
     from django.db.models import Sum
 
     from bench.benchapp.models import Row
-    from bench.benchapp.tasks import CancellableUpdate, ExplicitUpdate
+    from bench.benchapp.tasks import CancellableUpdate, ExplicitUpdate, RateLimitedUpdate
     from bench.celery_app import app
     from celery_explicit import app_version
 
@@ -65,6 +67,7 @@ def main() -> None:
     sides = {
         "ExplicitTask": (ExplicitUpdate(), plain_queue),
         "cancellable = True": (CancellableUpdate(), plain_queue),
+        "rate_limit = RateLimit(...)": (RateLimitedUpdate(), plain_queue),
         "EXPLICIT_APP_VERSION set": (ExplicitUpdate(), versioned_queue),
     }
     rates: dict[str, list[float]] = {name: [] for name in sides}

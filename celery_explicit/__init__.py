@@ -5,6 +5,7 @@ Public API, by topic:
 - declaring a task: ``ExplicitTask``, ``effect`` (for handlers without ``bind=True``)
 - retry classification: ``RetryAfter``, ``Unclassified``
 - per-downstream limits: ``Downstream`` (see ``celery_explicit.downstream``)
+- keyed rate limits: ``RateLimit`` (see ``celery_explicit.rate_limit``)
 - lease locks: ``LeaseLock`` (see ``celery_explicit.locks``)
 - errors: ``ExplicitError`` (root), ``ContractError``, ``BadInput``,
   ``IdempotencyConflict``, ``LockError`` and its kinds, ``StaleFencingToken``,
@@ -29,6 +30,7 @@ from celery_explicit.errors import (
     StaleVersion,
 )
 from celery_explicit.locks import LeaseLock
+from celery_explicit.rate_limit import RateLimit
 from celery_explicit.retry_policy import Unclassified
 from celery_explicit.task import ExplicitTask, effect
 
@@ -41,6 +43,8 @@ __all__ = [
     "Unclassified",
     # per-downstream limits
     "Downstream",
+    # keyed rate limits
+    "RateLimit",
     # lease locks
     "LeaseLock",
     # errors

@@ -22,6 +22,8 @@ from celery import Task
 from celery_explicit import arguments, cancellation, declarations, keys
 from celery_explicit import dedup as dedup_mod
 from celery_explicit import ordering as ordering_mod
+from celery_explicit import periodic as periodic_mod
+from celery_explicit import rate_limit as rate_limit_mod
 from celery_explicit import sensitive as sensitive_mod
 from celery_explicit.downstream import Downstream
 from celery_explicit.errors import ContractError
@@ -47,6 +49,8 @@ DEFAULTS: Mapping[str, Any] = {
     "ordering_gap": None,
     "sensitive": (),
     "cancellable": False,
+    "periodic": False,
+    "rate_limit": None,
 }
 
 #: Celery options that would quietly undo a contract, with what to declare instead.
@@ -131,6 +135,11 @@ class Contract:
     binder: arguments.Binder = arguments.INSPECT_ONLY
     #: An operator may cancel its jobs (``celery_explicit.cancellation``).
     cancellable: bool = False
+    #: Published by a beat once per schedule slot, passed as ``slot``
+    #: (``celery_explicit.periodic``).
+    periodic: bool = False
+    #: Starts per period per rendered key, across every worker (None: not declared).
+    rate_limit: rate_limit_mod.RateLimit | None = None
 
 
 def declared_names() -> frozenset[str]:
@@ -293,6 +302,8 @@ def build(cls: type, namespace: Mapping[str, Any]) -> Contract:
         ordering=ordering_mod.declared(cls, params, takes_kwargs, refuse, visibility, cap),
         sensitive=sensitive_mod.declared(cls, params, takes_kwargs, refuse),
         cancellable=cancellation.declared(cls, refuse),
+        periodic=periodic_mod.declared(cls, params, takes_kwargs, refuse),
+        rate_limit=rate_limit_mod.declared(cls, params, takes_kwargs, refuse),
     )
     _refuse_sensitive_keys(contract)
     return contract
@@ -308,6 +319,8 @@ def _refuse_sensitive_keys(contract: Contract) -> None:
         declared.append(("dedup_key", contract.dedup.key))
     if contract.ordering is not None:
         declared.append(("ordering_key", contract.ordering.key))
+    if contract.rate_limit is not None:
+        declared.append(("rate_limit", contract.rate_limit.key))
     for attr, key in declared:
         field = declarations.shown_in_key(key, contract.sensitive)
         if field is None:

@@ -51,6 +51,12 @@ class Execution:
     #: ``self.cancelled``'s look at the cancellation marks (``cancellation.Watch``),
     #: made at its first read: a layer above this one, hence untyped here.
     cancel_watch: Any = None
+    #: The rate limit's rendered key (``celery_explicit.rate_limit``; "" if none).
+    rate_key: str = ""
+    #: Headers a deferral's re-publish of this job carries, set by a step whose
+    #: admission stays good when a later step defers the job (a rate limit's reserved
+    #: start): ``republish.defer`` adds them.
+    deferral_headers: dict[str, Any] = field(default_factory=dict)
     #: Milliseconds spent per part of the attempt, for its log line: ``queue_wait``
     #: (sent to started), each step that ran (``execution_lease`` is the lease
     #: acquire), ``handler``, ``commit`` (the effect's ledger writes and COMMIT).

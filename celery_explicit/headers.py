@@ -46,6 +46,12 @@ FENCE_FREE_LEASE_HEADER = "explicit_fence_free_lease"
 #: wait in the queue can be read from the message itself.
 SENT_AT_HEADER = "explicit_sent_at"
 
+#: Message header on a job a beat published for a periodic entry: its schedule slot,
+#: the time the entry was due (``20250601T100000Z``, ``celery_explicit.periodic``).
+SLOT_HEADER = "explicit_slot"
+#: Message header naming the periodic entry (its name in the beat schedule).
+PERIODIC_ENTRY_HEADER = "explicit_periodic_entry"
+
 
 def correlation_of(request: Any) -> str:
     """The request that caused this job: the header, else Celery's root task id."""

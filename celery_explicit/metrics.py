@@ -284,6 +284,20 @@ cancelled = _Counter(
     "at_commit (the effect refused) (delivery and effect layers).",
     ["task", "stage"],
 )
+rate_limit = _Counter(
+    "explicit_rate_limit_total",
+    "Jobs a keyed rate limit did not start at once, by decision: deferred (to the start "
+    "reserved for it) or unguarded (the state store was unavailable: run unlimited) "
+    "(delivery layer).",
+    ["task", "decision"],
+)
+periodic_slots = _Counter(
+    "explicit_periodic_slots_total",
+    "Due runs of periodic entries at a beat (delivery layer), by outcome: published (this "
+    "beat claimed the schedule slot and published it) or duplicate (another beat had "
+    "published that slot: dropped, recorded as a deduplicated attempt).",
+    ["task", "outcome"],
+)
 app_version_info = _Gauge(
     "explicit_app_version_info",
     "1 for the version of the code a process records its attempts under "

@@ -10,7 +10,9 @@ The steps run in this fixed order, each only where the task declares its mechani
 3. ``ordering``: a job whose entity has an earlier job still to end is deferred;
 4. ``execution_lease``: a job another execution is running is deferred; a stale
    holder's lease is taken over and fenced;
-5. ``downstream``: a job whose downstream is full or broken is deferred.
+5. ``rate_limit``: a job whose key has had its starts for the period is deferred to
+   the start reserved for it;
+6. ``downstream``: a job whose downstream is full or broken is deferred.
 
 Then the handler runs, and one attempt row records how it ended (``records``); an
 error goes to ``failures``, which classifies it (``retry_policy``) and retries,
@@ -65,6 +67,7 @@ from celery_explicit.execution_lease_step import ExecutionLeaseStep
 from celery_explicit.headers import SENT_AT_HEADER, correlation_of
 from celery_explicit.ordering_step import OrderingStep
 from celery_explicit.outcomes import Outcome
+from celery_explicit.rate_limit import RateLimitStep
 from celery_explicit.retry_policy import Classification
 from celery_explicit.steps import (
     RUN,
@@ -89,6 +92,7 @@ STEPS: tuple[type[Step], ...] = (
     CancellationStep,
     OrderingStep,
     ExecutionLeaseStep,
+    RateLimitStep,
     DownstreamStep,
 )
 
@@ -191,6 +195,10 @@ def begin(
     if contract.dedup is not None:
         execution.dedup_id = keys.render_key(
             task.name, contract.dedup.key, given, label="dedup key"
+        )
+    if contract.rate_limit is not None:
+        execution.rate_key = keys.render_key(
+            task.name, contract.rate_limit.key, given, label="rate limit key"
         )
     if contract.sensitive:
         execution.sensitive = contract.sensitive

@@ -132,7 +132,7 @@ def defer(
     request = task.request
     deferrals = dict(getattr(request, DEFERRALS_HEADER, None) or {})
     deferrals[by] = int(deferrals.get(by, 0)) + 1
-    headers: dict[str, Any] = {DEFERRALS_HEADER: deferrals}
+    headers: dict[str, Any] = {**execution.deferral_headers, DEFERRALS_HEADER: deferrals}
     if redelivered(request):
         headers[REDELIVERED_HEADER] = True
     if getattr(request, FENCE_FREE_LEASE_HEADER, False):

@@ -5,9 +5,10 @@ The Celery side decides *what* to record; where it lives is the Django app's bus
 (``DjangoOutboxConfig.ready``), so ``celery_explicit`` never imports ``django_outbox``:
 the dependency runs one way, and the import contracts in ``pyproject.toml`` hold it.
 
-The five facts written here are the evidence an operator reads afterwards: an attempt
+The facts written here are the evidence an operator reads afterwards: an attempt
 (one execution of the handler), a dead letter, an effect with its ledger row, a fence
-(an execution lease taken over), and a message that never reached a task.
+(an execution lease taken over), a message that never reached a task, and a slot a beat
+published for a periodic entry (``celery_explicit.periodic``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol
 
 from celery_explicit.errors import ExplicitError
@@ -141,6 +143,20 @@ class Store(Protocol):
         self, *, task_id: str | None, task_name: str, message: Any, error: BaseException
     ) -> None:
         """Worker main process: a message whose body does not decode."""
+
+    def record_slot(
+        self,
+        *,
+        entry: str,
+        slot: datetime,
+        task_name: str,
+        task_id: str,
+        idempotency_key: str,
+        published_by: str,
+        grid: str,
+    ) -> None:
+        """Beat: the schedule slot ``slot`` of periodic entry ``entry`` was published as
+        job ``task_id`` (``celery_explicit.periodic``); a failure is logged, never raised."""
 
 
 _store: Store | None = None

@@ -93,6 +93,10 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
             return
         cls.contract = contract_mod.build(cls, cls.__dict__)
         cls.job_steps = pipeline.build_steps(cls.contract)
+        if cls.contract.rate_limit is not None:
+            # Ours, kept in the contract: Celery's worker reads ``rate_limit`` for its
+            # per-worker token bucket and would not know what to do with it.
+            cls.rate_limit = None
         # Errors the task declared (and our own, dead-lettered with their reason) are
         # expected: Celery logs them in one INFO line, no traceback, instead of
         # "raised unexpected"; our attempt line says what happened. Only errors
@@ -159,6 +163,10 @@ class ExplicitTask(Task):  # type: ignore[type-arg]
                     # The handler's own self.retry(): the same job keeps its place.
                     order_key = None
                     headers.update(ordering_mod.place_headers(running_place))
+            limit = self.contract.rate_limit
+            if limit is not None:
+                # Bad input is refused here, not on the worker.
+                keys.render_key(self.name, limit.key, given, label="rate limit key")
             dedup = self.contract.dedup
             if dedup is not None and REPLAY_HEADER not in headers:
                 task_id = task_id or str(uuid.uuid4())

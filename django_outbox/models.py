@@ -445,3 +445,35 @@ class Cancellation(models.Model):
     def __str__(self) -> str:
         what = f"task {self.task_id}" if self.task_id else f"key {self.idempotency_key}"
         return f"{what} cancelled by {self.requested_by} at {self.requested_at}"
+
+
+class PeriodicSlot(models.Model):
+    """A schedule slot of a periodic entry that a beat published (``celery_explicit.
+    periodic``): one row per (entry, slot), so a slot a beat never published (every beat
+    down, a beat that never started) shows as a gap (``django_outbox.W016``), and
+    ``explain`` says which slot a job ran for. Kept ``periodic_slots.KEEP`` seconds."""
+
+    entry = models.CharField(max_length=200)
+    slot = models.DateTimeField()
+    task_name = models.CharField(max_length=255)
+    task_id = models.CharField(max_length=255)
+    idempotency_key = models.CharField(max_length=255, blank=True, default="")
+    published_at = models.DateTimeField()
+    #: host:pid of the beat that published it.
+    published_by = models.CharField(max_length=255, blank=True, default="")
+    #: Where the entry's slots fall, as the beat saw its schedule (``every 60s``,
+    #: ``crontab 0 * * * * UTC``): the expected slots are computed from it.
+    grid = models.CharField(max_length=255, blank=True, default="")
+
+    class Meta:
+        db_table = "django_outbox_periodic_slot"
+        constraints = [
+            models.UniqueConstraint(fields=["entry", "slot"], name="django_outbox_slot_once")
+        ]
+        indexes = [
+            models.Index(fields=["task_id"], name="django_outbox_slot_task_idx"),
+            models.Index(fields=["slot"], name="django_outbox_slot_time_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.entry} slot {self.slot:%Y-%m-%dT%H:%M:%SZ} as job {self.task_id}"

@@ -1,6 +1,7 @@
 import os
 import time
 
+import django
 from celery import Celery
 
 # A worker whose host clock is off by EXPLICIT_TEST_CLOCK_SKEW seconds: every
@@ -25,3 +26,16 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 # Each test starts its workers on a queue of its own (no test sees another's messages).
 app.conf.task_default_queue = os.environ.get("EXPLICIT_TEST_QUEUE", "explicit-tests")
 app.autodiscover_tasks(["tests.testapp"])
+# EXPLICIT_TEST_BEAT_TAG: the beat tests' entry (tests/fault/test_periodic.py), every
+# second, run by the beats they start.
+if _beat_tag := os.environ.get("EXPLICIT_TEST_BEAT_TAG"):
+    app.conf.beat_schedule = {
+        f"slot-report-{_beat_tag}": {
+            "task": "tests.slot_report",
+            "schedule": 1.0,
+            "kwargs": {"tag": _beat_tag, "slot": "plain"},
+        }
+    }
+# The django.tasks functions (django_outbox.tasks_backend) exist from Django 6.1 on.
+if django.VERSION >= (6, 1):
+    app.autodiscover_tasks(["tests.testapp"], related_name="django_tasks")

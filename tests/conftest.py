@@ -8,10 +8,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import django
 import pytest
 import redis
 
 from tests.support.workers import Worker
+
+# django.tasks exists from Django 6.0, and its backend's declarations from 6.1: those
+# tests run in the matrix's Django 6 sessions (noxfile.py). On an older Django they are
+# not collected at all, rather than skipped (a skip fails the suite, below).
+collect_ignore_glob = [] if django.VERSION >= (6, 1) else ["*/test_django_tasks*.py"]
 
 
 @pytest.fixture(scope="session")

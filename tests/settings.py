@@ -4,6 +4,7 @@ Worker processes started by the tests import these settings too, with
 ``EXPLICIT_TEST_DB_NAME`` pointing them at pytest-django's test database.
 """
 
+import importlib.util
 import os
 
 SECRET_KEY = "tests-only"
@@ -20,6 +21,10 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",  # the browser tests' live server serves the admin's CSS
     "django_outbox",
     "tests.testapp",
+    # Two beats on one database (tests/fault/test_periodic.py), where it is installed:
+    # the dev extra has it; the matrix's Django 6.1 sessions cannot (it declares
+    # Django<6.1) and run no fault tests.
+    *(["django_celery_beat"] if importlib.util.find_spec("django_celery_beat") else []),
 ]
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -109,6 +114,11 @@ elif _LOG_STYLE == "json":
     }
 
 EXPLICIT_CELERY_APP = "tests.celery_app.app"
+
+# django.tasks (Django 6.1+; Django 5.2 never reads it): tests/testapp/django_tasks.py
+# runs on celery-explicit's backend. No QUEUES: each test sends to a queue of its own.
+TASKS = {"default": {"BACKEND": "django_outbox.tasks_backend.ExplicitBackend", "QUEUES": []}}
+
 # EXPLICIT_TEST_STATE_URL: the state store elsewhere than the broker (a private
 # Redis Cluster, a Sentinel group).
 EXPLICIT_REDIS_URL = os.environ.get("EXPLICIT_TEST_STATE_URL", REDIS_URL)

@@ -10,7 +10,7 @@ from django.db.models import F
 
 from bench.benchapp.models import Row
 from bench.celery_app import app
-from celery_explicit import ExplicitTask
+from celery_explicit import ExplicitTask, RateLimit
 
 
 @app.task(name="bench.plain_update", acks_late=True)
@@ -46,6 +46,40 @@ class CancellableUpdate(ExplicitUpdate):
 
 
 app.register_task(CancellableUpdate())
+
+
+class RateLimitedUpdate(ExplicitUpdate):
+    """ExplicitUpdate under a keyed rate limit it never reaches: its cost is the
+    admission's (``bench/feature_cost.py``)."""
+
+    name = "bench.rate_limited_update"
+    rate_limit = RateLimit("bench-row:{row_id}", 1_000_000, per=1.0)
+
+
+app.register_task(RateLimitedUpdate())
+
+
+class LimitedCall(ExplicitTask):
+    """A call to an API that allows ``EXPLICIT_BENCH_RATE`` calls a second per account:
+    each start written down on the Redis server's clock (``bench/rate_limit.py``)."""
+
+    name = "bench.limited_call"
+    idempotency_key = "bench-call:{run_id}:{job}"
+    rate_limit = RateLimit("bench-api:{account}", int(os.environ.get("EXPLICIT_BENCH_RATE", "50")))
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, account: str, job: int, run_id: str) -> None:
+        from celery_explicit import redis_state
+
+        client = redis_state.client()
+        seconds, micros = client.time()
+        client.rpush(f"bench-starts:{run_id}", f"{account}|{seconds * 1000 + micros // 1000}")
+
+
+app.register_task(LimitedCall())
 
 
 @app.task(name="bench.noop", acks_late=True)
@@ -160,3 +194,17 @@ def floor_update(self: Any, row_id: int, op_id: str) -> None:
         assert committed.command_status == b"COMMIT", committed.error_message
     if _FLOOR_LEASED:
         assert client.execute_command("FCALL", release, 2, lease, held, fence)
+
+
+@app.task(
+    name="bench.limited_call_celery",
+    acks_late=True,
+    rate_limit=f"{int(os.environ.get('EXPLICIT_BENCH_RATE', '50'))}/s",
+)
+def limited_call_celery(account: str, job: int, run_id: str) -> None:
+    """LimitedCall under Celery's own ``rate_limit``, which each worker keeps for itself."""
+    from celery_explicit import redis_state
+
+    client = redis_state.client()
+    seconds, micros = client.time()
+    client.rpush(f"bench-starts:{run_id}", f"{account}|{seconds * 1000 + micros // 1000}")

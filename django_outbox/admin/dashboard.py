@@ -321,9 +321,16 @@ def _live() -> dict[str, Any]:
     """From Redis and the broker; what cannot be read is said, not hidden."""
     import redis
 
-    from celery_explicit import downstream, execution_lease, locks, redis_state
+    from celery_explicit import downstream, execution_lease, locks, rate_limit, redis_state
 
-    live: dict[str, Any] = {"error": "", "breakers": [], "leases": 0, "locks": [], "queues": []}
+    live: dict[str, Any] = {
+        "error": "",
+        "breakers": [],
+        "leases": 0,
+        "locks": [],
+        "queues": [],
+        "rate_limited": [],
+    }
     try:
         client = redis_state.client()
         live["leases"] = len(execution_lease.live_executions(client))
@@ -339,6 +346,10 @@ def _live() -> dict[str, Any]:
             info = downstream.state(declared_downstream)
             if info["state"] != downstream.BreakerState.CLOSED:
                 live["breakers"].append({"name": name, **info})
+        live["rate_limited"] = [
+            {"key": key, "seconds": ahead}
+            for key, ahead in sorted(rate_limit.limited_keys(client), key=lambda kv: -kv[1])
+        ][:20]
         live["queues"] = _queue_depths(app)
     except (redis.RedisError, OSError, OperationalError) as exc:
         live["error"] = f"Redis or the broker could not be read: {exc}"

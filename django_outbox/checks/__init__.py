@@ -12,6 +12,8 @@
   another; W013 an ``EXPLICIT_*`` setting nothing reads; E005 the ledger's database;
   W005 Celery or kombu outside the tested ranges
 - ``keys``: W010 (``check --database default``) a task's key template renamed
+- ``periodic``: W015 a periodic task whose key does not use its slot, W016
+  (``check --database default``) a slot of a periodic entry no beat published
 
 Retention's checks (E020, W021, W020) live beside the prune they guard
 (``django_outbox.retention.checks``). Importing this package registers these
@@ -25,6 +27,7 @@ from django_outbox.checks.configuration import (
     check_versions,
 )
 from django_outbox.checks.keys import check_key_renames
+from django_outbox.checks.periodic import check_missed_slots, check_periodic_keys
 from django_outbox.checks.reading import reads_settings
 
 __all__ = [
@@ -32,6 +35,8 @@ __all__ = [
     "check_celery_configuration",
     "check_key_renames",
     "check_ledger_database",
+    "check_missed_slots",
+    "check_periodic_keys",
     "check_settings",
     "check_versions",
     # for the checks elsewhere (retention's)

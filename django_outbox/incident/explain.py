@@ -131,6 +131,7 @@ def _explanation(
     events = list(timeline.outbox_events(all_tasks))
     outboxed = {e.data["event_id"] for e in events}
     events += timeline.publish_events(attempts, outboxed)
+    events += timeline.slot_events(all_tasks)
     events += [timeline.attempt_event(a, attempts, fences) for a in attempts]
     events += [timeline.unrecorded_event(f, attempts) for f in verdict.unrecorded(fences, attempts)]
     events += [timeline.fence_event(f, attempts) for f in fences]

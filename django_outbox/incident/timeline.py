@@ -13,11 +13,13 @@ from datetime import datetime
 from typing import Any
 
 from celery_explicit.outcomes import Outcome
+from celery_explicit.periodic import format_slot
 from django_outbox.conf import settings
 from django_outbox.incident import verdict
 from django_outbox.incident.lookup import uuid_or_none
 from django_outbox.incident.verdict import stamp
 from django_outbox.models import Attempt, Cancellation, DeadLetter, Fence, OutboxEvent
+from django_outbox.store import periodic_slots
 
 __all__ = [
     "Event",
@@ -27,6 +29,7 @@ __all__ = [
     "letter_event",
     "outbox_events",
     "publish_events",
+    "slot_events",
     "unrecorded_event",
 ]
 
@@ -42,7 +45,8 @@ _LOST_LEASE = {
 @dataclass
 class Event:
     at: datetime
-    #: outbox, published, attempt, execution, takeover, fence, cancelled, effect, dead_letter
+    #: outbox, published, slot, attempt, execution, takeover, fence, cancelled, effect,
+    #: dead_letter
     kind: str
     text: str
     data: dict[str, Any] = field(default_factory=dict)
@@ -214,6 +218,20 @@ def cancellation_event(row: Cancellation) -> Event:
             "reason": row.reason,
         },
     )
+
+
+def slot_events(task_ids: list[str]) -> list[Event]:
+    """A job a beat published for a periodic entry: which slot it ran for."""
+    return [
+        Event(
+            row.published_at,
+            "slot",
+            f"published by beat {row.published_by or '?'} for slot {format_slot(row.slot)} "
+            f"of periodic entry {row.entry!r} (as task {row.task_id})",
+            {"task_id": row.task_id, "entry": row.entry, "slot": format_slot(row.slot)},
+        )
+        for row in periodic_slots.for_tasks(task_ids)
+    ]
 
 
 def closed_event(letter: DeadLetter) -> Event:

@@ -46,6 +46,7 @@ DEFERRALS = {
     "ordering": "waiting for its entity's turn",
     "execution_lease": "another execution held the job",
     "downstream": "the downstream was busy or open",
+    "rate_limit": "its key's rate limit had no room",
     "database": "the database could not be written",
 }
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from django_outbox.store import attempts, dead_letters, key_history, ledger, unreached
+from django_outbox.store import (
+    attempts,
+    dead_letters,
+    key_history,
+    ledger,
+    periodic_slots,
+    unreached,
+)
 
 
 class DjangoStore:
@@ -23,6 +30,7 @@ class DjangoStore:
     record_undecodable = staticmethod(unreached.record_undecodable)
     earlier_key_templates = staticmethod(key_history.earlier)
     record_key_templates = staticmethod(key_history.record)
+    record_slot = staticmethod(periodic_slots.record)
 
     @staticmethod
     def record_dead_letter(**fields: Any) -> None:

@@ -194,8 +194,8 @@ def test_a_value_that_cannot_be_cast_is_an_error_not_a_traceback() -> None:
         "EXPLICIT_LEASE_EXTEND='of' cannot be read as a switch"
         in by_name["EXPLICIT_LEASE_EXTEND"].msg
     )
-    # checks.py's four, retention's two.
-    assert len(others) == 6 and not any(others)
+    # checks.py's four, periodic's two, retention's two.
+    assert len(others) == 8 and not any(others)
 
 
 def test_an_environment_switch_that_cannot_be_cast_is_an_error(

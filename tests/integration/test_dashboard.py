@@ -317,3 +317,22 @@ def test_a_queue_counts_the_messages_a_worker_holds_unacknowledged(
         assert redis_client.llen(f"started:{second}") == 0  # still waiting in the worker
     finally:
         redis_client.delete(f"started:{first}", f"started:{second}", f"spans:{first}")
+
+
+def test_a_rate_limited_key_is_listed_while_it_has_starts_booked_ahead(
+    staff: Client, redis_client: Any
+) -> None:
+    from celery_explicit import RateLimit, rate_limit
+
+    key = f"test-dash:{uuid.uuid4().hex[:8]}"
+    limit = RateLimit("test-dash:{k}", 1, per=90.0)
+    try:
+        rate_limit.admit(limit, key)
+        _wait, start = rate_limit.admit(limit, key)  # the second is booked 90 s ahead
+        rate_limit.note_limited(key, start)
+        html = staff.get(URL).content.decode()
+        assert f"<strong>{key}</strong> (booked 9" in html
+    finally:
+        redis_client.delete(rate_limit.state_key(key))
+        redis_client.zrem(rate_limit.limited_set(), key)
+    assert key not in staff.get(URL).content.decode()

@@ -749,5 +749,11 @@ class BookStock(ExplicitTask):
 
 app.register_task(BookStock())
 
+# The periodic tasks (tests/fault/test_periodic.py).
+from tests.testapp import tasks_periodic as _periodic_tasks  # noqa: E402, F401
+
+# The keyed rate limit's tasks (tests/fault/test_rate_limit.py).
+from tests.testapp import tasks_rate_limit as _rate_limit_tasks  # noqa: E402, F401
+
 # The redaction test's tasks (tests/integration/test_redaction_paths.py).
 from tests.testapp import tasks_redaction as _redaction_tasks  # noqa: E402, F401
