@@ -133,6 +133,7 @@ def dashboard_view(model_admin: Any, request: HttpRequest) -> TemplateResponse:
         "dead_letters": _dead_letter_series(since, axis, site),
         "open_letters": open_dead_letters(now, site),
         "outbox": _outbox(now, since),
+        "missed_slots": _missed_slots(now, hours),
         "live": _live(),
         "opts": model_admin.model._meta,
     }
@@ -315,6 +316,23 @@ def _outbox(now: datetime, since: datetime) -> dict[str, Any]:
         "oldest_age": (now - oldest).total_seconds() if oldest else None,
         "publish_lag": lag.total_seconds() if lag is not None else None,
     }
+
+
+def _missed_slots(now: datetime, hours: int) -> list[dict[str, Any]]:
+    """Periodic entries with slots in the window that no beat published (W016's
+    reading, over the dashboard's window)."""
+    from celery_explicit import periodic
+    from django_outbox.store import periodic_slots
+
+    return [
+        {
+            "entry": gap.entry,
+            "task": gap.task_name,
+            "count": len(gap.slots),
+            "first": periodic.format_slot(gap.slots[0]),
+        }
+        for gap in periodic_slots.missing(now=now, window=hours * 3600.0)
+    ]
 
 
 def _live() -> dict[str, Any]:

@@ -183,3 +183,29 @@ def test_the_admin_cancels_the_selected_letters_jobs_by_key_and_says_what_it_cou
     text = explain(waiting.idempotency_key)
     assert f"every job of key {waiting.idempotency_key} cancelled by {row.requested_by}" in text
     assert f"cancelled by {row.requested_by} at " in verdict_of(text), text
+
+
+def test_the_attempt_list_cancels_the_selected_rows_jobs_by_task_id() -> None:
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    waiting = attempt_row(uuid.uuid4().hex, f"ship:{uuid.uuid4().hex[:8]}")
+    client = Client()
+    client.force_login(User.objects.create_superuser(f"oncall-{uuid.uuid4().hex[:6]}"))
+    page = client.post(
+        "/admin/django_outbox/attempt/",
+        {"action": "cancel_jobs", "_selected_action": [waiting.pk]},
+        follow=True,
+    )
+    assert "Cancelled 1 job(s)." in [str(m) for m in page.context["messages"]]
+    row = Cancellation.objects.get()
+    # By task id: that job (its retries keep the id), not every job of the key.
+    assert row.task_id == waiting.task_id and row.idempotency_key == ""
+    # Without the permission to add cancellations, the action is not offered.
+    viewer = User.objects.create_user(f"viewer-{uuid.uuid4().hex[:6]}", is_staff=True)
+    from django.contrib.auth.models import Permission
+
+    viewer.user_permissions.add(Permission.objects.get(codename="view_attempt"))
+    client.force_login(viewer)
+    listed = client.get("/admin/django_outbox/attempt/").content.decode()
+    assert "cancel_jobs" not in listed

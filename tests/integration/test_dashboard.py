@@ -336,3 +336,28 @@ def test_a_rate_limited_key_is_listed_while_it_has_starts_booked_ahead(
         redis_client.delete(rate_limit.state_key(key))
         redis_client.zrem(rate_limit.limited_set(), key)
     assert key not in staff.get(URL).content.decode()
+
+
+def test_a_periodic_slot_no_beat_published_is_listed(staff: Client) -> None:
+    import datetime as dt
+
+    from celery_explicit import periodic
+    from django_outbox.store import periodic_slots
+
+    entry = f"report-{uuid.uuid4().hex[:6]}"
+    now = dt.datetime.now(dt.UTC).replace(second=0, microsecond=0)
+    assert "None: every slot of every entry was published." in staff.get(URL).content.decode()
+    for minutes_ago in (10, 9, 6):  # 8 and 7 minutes ago: every beat was down
+        periodic_slots.record(
+            entry=entry,
+            slot=now - dt.timedelta(minutes=minutes_ago),
+            task_name="tests.slot_report",
+            task_id=str(uuid.uuid4()),
+            idempotency_key=f"slotreport:{minutes_ago}",
+            published_by="beat-host:42",
+            grid="every 60s",
+        )
+    html = staff.get(URL).content.decode()
+    first = periodic.format_slot(now - dt.timedelta(minutes=8))
+    assert f"<strong>{entry}</strong> (tests.slot_report): " in html
+    assert f"the first {first}" in html

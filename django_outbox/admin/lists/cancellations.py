@@ -1,10 +1,10 @@
 """The cancellations' list, and the action that cancels the jobs of selected rows.
 
 ``Cancellation`` rows are an operator's decisions (who, when, why), kept as evidence:
-read-only here. The action "Cancel these jobs" sits on the dead-letter list (the
-attempt list has no actions: their checkbox column would not fit 1400 px): each
-dead letter's jobs are cancelled by its key, so a replay of it does not run either
-(``django_outbox.store.cancellations``);
+read-only here. The action "Cancel these jobs" sits on the dead-letter list, where
+each dead letter's jobs are cancelled by its key, so a replay of it does not run either
+(``django_outbox.store.cancellations``), and on the attempt list, where each row's job
+is cancelled by its task id;
 what could not be cancelled (an effect already committed) is said, one message each.
 It needs the ``add_cancellation`` permission.
 """
