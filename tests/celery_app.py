@@ -21,6 +21,13 @@ if os.environ.get("EXPLICIT_TEST_NO_REDELIVERY_FENCE") == "1":
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
+# A worker that counts each job's round trips from its pool processes
+# (tests/integration/test_round_trips_per_job.py).
+if os.environ.get("EXPLICIT_TEST_COUNT_ROUND_TRIPS"):
+    from tests.support import round_trips
+
+    round_trips.install()
+
 app = Celery("tests")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 # Each test starts its workers on a queue of its own (no test sees another's messages).
