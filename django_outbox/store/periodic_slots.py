@@ -10,6 +10,7 @@ second beat dropped is not here: it is an attempt with outcome ``deduplicated``.
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -28,6 +29,12 @@ logger = job_log.get_logger("django_outbox.store.periodic_slots")
 #: How long a published slot is kept (seconds): the window the gap check looks at, and
 #: more. Older rows of an entry are removed as its new ones are written.
 KEEP = 7 * 86400.0
+#: Seconds between two prunes of one entry's old rows by one beat: a prune per publish
+#: was two of the publish's three transactions (bench/periodic_cost.py).
+PRUNE_EVERY = 3600.0
+
+#: When this process last pruned each entry's rows (``time.monotonic()``).
+_pruned_at: dict[str, float] = {}
 
 
 def record(
@@ -60,9 +67,12 @@ def record(
             ],
             ignore_conflicts=True,  # a slot published again after its claim expired
         )
-        PeriodicSlot.objects.using(db).filter(
-            entry=entry[:200], slot__lt=now - dt.timedelta(seconds=KEEP)
-        ).delete()
+        last = _pruned_at.get(entry)
+        if last is None or time.monotonic() - last >= PRUNE_EVERY:
+            PeriodicSlot.objects.using(db).filter(
+                entry=entry[:200], slot__lt=now - dt.timedelta(seconds=KEEP)
+            ).delete()
+            _pruned_at[entry] = time.monotonic()
     except DatabaseError:
         logger.exception(
             "periodic: could not record the published slot",

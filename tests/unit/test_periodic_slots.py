@@ -78,3 +78,22 @@ def test_explain_says_which_slot_a_job_ran_for() -> None:
     [line] = [event.text for event in explanation.events if event.kind == "slot"]
     assert f"for slot {periodic.format_slot(slot)} of periodic entry {entry!r}" in line
     assert "beat beat-host:42" in line
+
+
+def test_rows_older_than_a_week_are_pruned_once_an_hour_per_entry(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    entry = f"report-{uuid.uuid4().hex[:6]}"
+    now = dt.datetime.now(dt.UTC).replace(second=0, microsecond=0)
+    week_ago = now - dt.timedelta(days=8)
+    publish(entry, week_ago)
+    publish(entry, now)  # this process's first publish of the entry prunes
+    assert not PeriodicSlot.objects.filter(entry=entry, slot=week_ago).exists()
+    publish(entry, week_ago - dt.timedelta(minutes=1))
+    publish(entry, now - dt.timedelta(minutes=1))  # within the hour: not again
+    assert (
+        PeriodicSlot.objects.filter(entry=entry, slot__lt=now - dt.timedelta(days=7)).count() == 1
+    )
+    monkeypatch.setattr(periodic_slots, "PRUNE_EVERY", 0.0)
+    publish(entry, now - dt.timedelta(minutes=2))
+    assert not PeriodicSlot.objects.filter(
+        entry=entry, slot__lt=now - dt.timedelta(days=7)
+    ).exists()
