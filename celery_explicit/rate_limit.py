@@ -15,12 +15,13 @@ last period and those reserved ahead, at most ``limit`` (``{prefix}rate:{<key>}`
 list of epoch ms on the Redis server's clock, about 20 bytes a start, gone one period
 after the last). A job asks once: it starts now if the key had fewer than ``limit``
 starts in the last period (a burst of ``limit`` goes at once), else it is given the
-first start one period after the ``limit``-th start before it, reserved then and
-there, and deferred until it: re-published for that time, the pool slot freed at once,
-no attempt used. So no window of ``per`` seconds holds more than ``limit`` starts of a
-key. The deferred message
-carries its reservation (``explicit_rate_slot``), so when it comes back it starts
-without asking again, and a later step's deferral (a busy downstream) carries it on too.
+first start one period after the ``limit``-th start before it and one interval
+(``per / limit``) after the last, reserved then and there, and deferred until it:
+re-published for that time, the pool slot freed at once, no attempt used. So no window
+of ``per`` seconds holds more than ``limit`` reserved starts of a key, and a backlog's
+starts are spread evenly. The deferred message carries its reservation
+(``explicit_rate_slot``), so when it comes back it starts without asking again, and a
+later step's deferral (a busy downstream) carries it on too.
 
 That is what makes it fair: a key with 10,000 waiting jobs has reserved starts spread
 over the next 100 seconds, and a key with one job finds its own budget untouched and
@@ -31,12 +32,14 @@ measures it); none of them comes back before its reserved start.
 What bounds the count: the reservations, on the server's clock. A returning job starts
 when the receiving worker's clock reaches its reservation (less ``EARLY``, for the
 broker's timer), so workers' clocks apart by a few milliseconds shift a start by as
-much, never add one; a job that comes back to a busy worker starts late, and may then
-start in the same period as the reservations after it (bench/rate_limit.py measures
-the starts per minute with four workers). A reservation whose job never comes back (its
-worker died and the message went elsewhere) is a start not used: the limit errs low,
-never high. A job that comes back more than a period late asks again, so a stalled
-worker's late starts crowd at most one period's. A retry is a new start and asks again.
+much, never add one. A job that comes back to a busy worker starts late; up to
+``RateLimit.late`` late (an interval, at least a tenth of the period) it starts on its
+reservation, so a period holds at most the starts reserved in it and one or two late
+ones (an interval's worth); later than that it asks again once, for a start at the end
+of the key's reservations (a second return that late starts anyway: a worker that is
+always late must not defer a job for ever). A reservation whose job never comes back
+(its worker died and the message went elsewhere) is a start not used: the limit errs
+low, never high. A retry is a new start and asks again.
 
 Failure policy: without Redis the job runs unlimited, with a WARNING and the metric's
 ``unguarded`` count, as the downstream limit does: a limit is protection for a
@@ -64,9 +67,10 @@ __all__ = ["RateLimit", "RateLimitStep", "admit", "limited_keys"]
 
 logger = job_log.get_logger("celery_explicit.rate_limit")
 
-#: Message header holding a deferred job's reserved start: ``<retries>:<epoch ms>``.
-#: The retry count binds it to the attempt it was reserved for (Celery copies a
-#: message's headers onto its retry, which must ask again).
+#: Message header holding a deferred job's reserved start:
+#: ``<retries>:<epoch ms>:<asked again>``. The retry count binds it to the attempt it was
+#: reserved for (Celery copies a message's headers onto its retry, which must ask
+#: again); ``1`` when the job already asked again after coming back late.
 SLOT_HEADER = "explicit_rate_slot"
 #: A job that comes back this much before its reserved start (the receiving worker's
 #: clock) starts anyway: the broker's ETA timer is not exact to the millisecond.
@@ -99,6 +103,12 @@ class RateLimit:
             or self.per <= 0
         ):
             raise bad(f"per={self.per!r} must be a positive number of seconds")
+
+    @property
+    def late(self) -> float:
+        """Seconds a returning job may be late and still start on its reservation: an
+        interval (``per / limit``), at least a tenth of the period."""
+        return max(self.per / self.limit, self.per / 10.0)
 
     def describe(self) -> str:
         return f"{self.limit} per {self.per:g}s"
@@ -136,7 +146,8 @@ def declared(
 # return {wait ms, start ms}: wait '0' when admitted now; else the reserved start
 # A start goes at least one period after the ``limit``-th start before it, so no window
 # of one period holds more than ``limit`` starts, and the list stays sorted: a
-# reservation ahead exists only while the list is full, and each is later than the last.
+# reservation ahead exists only while the list is full, and each is later than the last
+# (and at least one interval, period / limit, after it).
 ADMIT = Script(
     "rate_limit_admit",
     SERVER_NOW_MS
@@ -154,6 +165,11 @@ local start = now_ms
 if redis.call('llen', KEYS[1]) >= limit then
     local earlier = tonumber(redis.call('lindex', KEYS[1], limit - 1))
     if earlier + period > start then start = earlier + period end
+    -- A backlog's starts go one interval (period / limit) apart, not in bursts of
+    -- ``limit`` a period: a start that comes back late then crowds one interval,
+    -- not a whole burst.
+    local spaced = tonumber(redis.call('lindex', KEYS[1], 0)) + period / limit
+    if spaced > start then start = spaced end
 end
 redis.call('lpush', KEYS[1], string.format('%.0f', start))
 redis.call('ltrim', KEYS[1], 0, limit - 1)
@@ -199,16 +215,19 @@ def limited_keys(
     ]
 
 
-def reservation(request: Any) -> int | None:
-    """The reserved start (epoch ms) this message carries for its own attempt, if any."""
+def reservation(request: Any) -> tuple[int, bool] | None:
+    """The reserved start (epoch ms) this message carries for its own attempt, and
+    whether the job already asked again after coming back late; None if none."""
     raw = getattr(request, SLOT_HEADER, None)
-    if not isinstance(raw, str) or ":" not in raw:
+    if not isinstance(raw, str):
         return None
-    retries, _, start = raw.partition(":")
+    parts = raw.split(":")
+    if len(parts) != 3:
+        return None
     try:
-        if int(retries) != int(request.retries or 0):
+        if int(parts[0]) != int(request.retries or 0):
             return None  # reserved for an earlier attempt: a retry asks again
-        return int(start)
+        return int(parts[1]), parts[2] == "1"
     except ValueError:
         return None
 
@@ -234,15 +253,17 @@ class RateLimitStep(Step):
 
         execution, request = job.execution, job.request
         key = execution.rate_key
-        start_ms = reservation(request)
+        reserved = reservation(request)
+        start_ms: int | None = None
+        asked_again = False
         wait = 0.0
-        if start_ms is not None:
+        if reserved is not None:
+            start_ms, asked_again = reserved
             wait = start_ms / 1000.0 - time.time()
-            if wait < -self.limit.per:
-                # Back more than a period late (its worker was stalled): starting on
-                # the old reservation now could crowd the starts reserved for this
-                # period. It asks again instead.
-                start_ms = None
+            if wait < -self.limit.late and not asked_again:
+                # Back late (its worker was busy): starting now on the old reservation
+                # could crowd the starts reserved for this period. It asks again, once.
+                start_ms, asked_again = None, True
         if start_ms is None:
             try:
                 wait, start_ms = admit(self.limit, key)
@@ -256,7 +277,9 @@ class RateLimitStep(Step):
                 return RUN
         # Whatever defers the job from here on (this step, a busy downstream), it comes
         # back with its start: the one reservation it made.
-        execution.deferral_headers[SLOT_HEADER] = f"{int(request.retries or 0)}:{start_ms}"
+        execution.deferral_headers[SLOT_HEADER] = (
+            f"{int(request.retries or 0)}:{start_ms}:{int(asked_again)}"
+        )
         if wait <= EARLY:
             return RUN
         metrics.rate_limit.labels(self.task_name, "deferred").inc()

@@ -32,7 +32,17 @@ JOBS = scaled(40, 300)
 
 def starts(redis_client, tag: str) -> list[tuple[str, int]]:  # type: ignore[no-untyped-def]
     rows = [raw.decode().split("|") for raw in redis_client.lrange(f"{tag}:starts", 0, -1)]
-    return sorted(((account, int(ms)) for account, ms in rows), key=lambda row: row[1])
+    return sorted(((account, int(ms)) for account, ms, _slot in rows), key=lambda row: row[1])
+
+
+def lateness(redis_client, tag: str) -> list[int]:  # type: ignore[no-untyped-def]
+    """How late each deferred job started after its reservation (ms), the latest first."""
+    late = []
+    for raw in redis_client.lrange(f"{tag}:starts", 0, -1):
+        _account, at, slot = raw.decode().split("|")
+        if slot:
+            late.append(int(at) - int(slot.split(":")[1]))
+    return sorted(late, reverse=True)
 
 
 def most_in_one_period(times: list[int], period_ms: int) -> int:
@@ -78,9 +88,10 @@ def test_the_limit_holds_across_four_workers(
     busiest = most_in_one_period(times, int(API.per * 1000))
     span = (times[-1] - times[0]) / 1000.0
     if limiter == "explicit":
-        # Five reserved per second; a start that came back late to a busy worker may
-        # share a second with the reservations after it.
-        assert busiest <= API.limit + 2, (busiest, times)
+        # Five reserved per second, spread evenly; a start that came back late to a busy
+        # worker (less than RateLimit.late: later, it asks again) may share a second with
+        # the reservations after it, and one may come EARLY.
+        assert busiest <= API.limit + 2, (busiest, lateness(redis_client, tag))
         # The backlog takes as long as the limit says: a burst of five, then five a
         # second.
         assert span >= (JOBS - API.limit) / API.limit * 0.95, span

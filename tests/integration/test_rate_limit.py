@@ -24,18 +24,19 @@ def key(redis_client):  # type: ignore[no-untyped-def]
     redis_client.delete(rate_limit.state_key(name))
 
 
-def test_a_burst_of_limit_then_one_start_a_period_after_the_limit_th_before(key: str) -> None:
+def test_a_burst_of_limit_then_starts_one_interval_apart(key: str) -> None:
     limit = RateLimit("test-admit:{k}", 3, per=2.0)
     answers = [admit(limit, key) for _ in range(9)]
     waits = [wait for wait, _start in answers]
     starts = [start for _wait, start in answers]
-    assert waits[:3] == [0.0, 0.0, 0.0]
-    # Jobs 4-6 go one period after jobs 1-3, jobs 7-9 one after those.
+    assert waits[:3] == [0.0, 0.0, 0.0]  # a burst of the limit goes at once
     for later in range(3, 9):
-        assert starts[later] == max(starts[later - 3] + 2000, starts[later - 3])
-        assert 1.9 <= waits[later] - waits[later - 3] <= 2.1 or waits[later - 3] == 0
-    assert 3.9 <= waits[-1] <= 4.1
-    # No window of one period holds more than three reservations.
+        # A period after the limit-th start before it, an interval (2 s / 3) after the
+        # last: a backlog is spread evenly, not sent in bursts.
+        assert starts[later] >= starts[later - 3] + 2000
+        assert starts[later] - starts[later - 1] >= 666
+    assert 5.2 <= waits[-1] <= 5.5  # the ninth: two periods and two intervals on
+    # No window of one period holds more than three.
     for first in range(len(starts)):
         inside = [s for s in starts if starts[first] <= s < starts[first] + 2000]
         assert len(inside) <= 3
@@ -104,14 +105,28 @@ def test_the_step_defers_to_the_reservation_and_lists_the_key(key: str) -> None:
     assert 29.0 < decision.seconds <= 30.0
     assert f"rate limit {key} (1 per 30s) has no room" in decision.reason
     # The re-publish carries the reservation; coming back, the job does not ask again.
-    slot = second.deferral_headers[rate_limit.SLOT_HEADER]
-    assert slot.startswith("0:")
-    back = SimpleNamespace(retries=0, **{rate_limit.SLOT_HEADER: f"0:{int(slot[2:]) - 30_000}"})
-    assert step.before_run(Job(CallLimitedApi.name, back, execution(key))) is RUN
+    retries, start, asked_again = second.deferral_headers[rate_limit.SLOT_HEADER].split(":")
+    assert (retries, asked_again) == ("0", "0")
     assert key in dict(limited_keys())
-    # Back more than a period late (a stalled worker), it asks again: no room now.
-    late = SimpleNamespace(retries=0, **{rate_limit.SLOT_HEADER: f"0:{int(slot[2:]) - 90_000}"})
-    assert isinstance(step.before_run(Job(CallLimitedApi.name, late, execution(key))), Defer)
+
+    def back(late: float, asked: int) -> Execution:
+        slot = f"0:{int(start) - 30_000 - int(late * 1000)}:{asked}"
+        came = execution(key)
+        request = SimpleNamespace(retries=0, **{rate_limit.SLOT_HEADER: slot})
+        decided = step.before_run(Job(CallLimitedApi.name, request, came))
+        return came if decided is RUN else decided  # type: ignore[return-value]
+
+    # On time, or late by less than RateLimit.late (3 s here): it starts, asking nothing.
+    assert isinstance(back(0.0, 0), Execution)
+    assert isinstance(back(2.0, 0), Execution)
+    # Later than that, it asks again once: no room now, deferred, marked as having asked.
+    again = execution(key)
+    late = SimpleNamespace(retries=0, **{rate_limit.SLOT_HEADER: f"0:{int(start) - 60_000}:0"})
+    assert isinstance(step.before_run(Job(CallLimitedApi.name, late, again)), Defer)
+    assert again.deferral_headers[rate_limit.SLOT_HEADER].endswith(":1")
+    # Late again after asking once, it starts: a worker always late must not defer it
+    # for ever.
+    assert isinstance(back(60.0, 1), Execution)
 
 
 def test_without_redis_the_job_runs_unlimited_and_is_counted(monkeypatch, key: str) -> None:  # type: ignore[no-untyped-def]

@@ -10,13 +10,13 @@ from tests.celery_app import app
 API = RateLimit("test-api:{account}", 5, per=1.0)
 
 
-def record_start(tag: str, account: str) -> None:
+def record_start(tag: str, account: str, slot: str = "") -> None:
     import redis
     from django.conf import settings
 
     client = redis.Redis.from_url(settings.REDIS_URL)
     seconds, micros = client.time()
-    client.rpush(f"{tag}:starts", f"{account}|{seconds * 1000 + micros // 1000}")
+    client.rpush(f"{tag}:starts", f"{account}|{seconds * 1000 + micros // 1000}|{slot}")
 
 
 class CallLimitedApi(ExplicitTask):
@@ -31,7 +31,8 @@ class CallLimitedApi(ExplicitTask):
     fail_on = ()
 
     def run(self, account: str, job: int, tag: str) -> None:
-        record_start(tag, account)
+        # The start it was reserved, if it was deferred: how late it came back.
+        record_start(tag, account, str(getattr(self.request, "explicit_rate_slot", "") or ""))
 
 
 @app.task(name="tests.call_api_celery_rate_limit", rate_limit="5/s", acks_late=True)
