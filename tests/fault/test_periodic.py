@@ -25,12 +25,14 @@ from celery_explicit import periodic
 from django_outbox.models import Attempt, Outcome, PeriodicSlot
 from django_outbox.store import periodic_slots
 from tests.support.beats import Beat
+from tests.support.scale import scaled
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
-#: Seconds both beats run side by side.
-RUN_FOR = 6.0
+#: Seconds both beats run side by side (a slot a second): short in the suite, a minute
+#: under scripts/chaos.
+RUN_FOR = float(scaled(6, 60))
 
 SCHEDULERS = {
     "explicit": "celery_explicit.beat:PersistentScheduler",
