@@ -10,36 +10,31 @@ and holds prefetched messages while it waits. A task declares instead::
 The key is a template over ``run()``'s parameters (or a callable), like every key
 here; jobs whose keys render alike share one budget, whichever task they belong to.
 
-How a job is admitted (one script call per job): each key keeps its starts of the
-last period and those reserved ahead, at most ``limit`` (``{prefix}rate:{<key>}``, a
-list of epoch ms on the Redis server's clock, about 20 bytes a start, gone one period
-after the last). A job asks once: it starts now if the key had fewer than ``limit``
-starts in the last period (a burst of ``limit`` goes at once), else it is given the
-first start one period after the ``limit``-th start before it and one interval
-(``per / limit``) after the last, reserved then and there, and deferred until it:
-re-published for that time, the pool slot freed at once, no attempt used. So no window
-of ``per`` seconds holds more than ``limit`` reserved starts of a key, and a backlog's
-starts are spread evenly. The deferred message carries its reservation
-(``explicit_rate_slot``), so when it comes back it starts without asking again, and a
-later step's deferral (a busy downstream) carries it on too.
+How a job is admitted (one script call per job, one more for a job it deferred): each
+key keeps two short lists in Redis, on the server's clock (``{prefix}rate:{<key>}`` and
+``{prefix}rate-started:{<key>}``, epoch ms, at most ``limit`` entries each, about 20
+bytes an entry, none older than a period, gone a period after the last):
 
-That is what makes it fair: a key with 10,000 waiting jobs has reserved starts spread
-over the next 100 seconds, and a key with one job finds its own budget untouched and
+- its reservations: a job asks once; it is given now if the key had fewer than
+  ``limit`` reservations in the last period (a burst of ``limit`` goes at once), else
+  the first moment one period after the ``limit``-th reservation before it and one
+  interval (``per / limit``) after the last, and is deferred to it: re-published for
+  that time, the pool slot freed at once, no attempt used. The message carries its
+  reservation (``explicit_rate_slot``); a later step's deferral (a busy downstream)
+  carries it on too, so the job keeps its place;
+- its starts: a job whose reservation is due starts only if fewer than ``limit`` jobs
+  of the key started in the last period, and is recorded; else it waits for the
+  moment there is room, keeping its reservation. So no period holds more than
+  ``limit`` starts of a key (on the server's clock, less ``EARLY``), whether the jobs
+  came back on time or late to a busy worker.
+
+That is what makes it fair: a key with 10,000 waiting jobs has its reservations spread
+over the next 100 seconds, and a key with one job finds its own lists untouched and
 starts at once. The quiet key's job waits only for the worker to pass over the noisy
 key's messages ahead of it in the queue, once each, a deferral apiece (bench/rate_limit.py
-measures it); none of them comes back before its reserved start.
-
-What bounds the count: the reservations, on the server's clock. A returning job starts
-when the receiving worker's clock reaches its reservation (less ``EARLY``, for the
-broker's timer), so workers' clocks apart by a few milliseconds shift a start by as
-much, never add one. A job that comes back to a busy worker starts late; up to
-``RateLimit.late`` late (an interval, at least a tenth of the period) it starts on its
-reservation, so a period holds at most the starts reserved in it and one or two late
-ones (an interval's worth); later than that it asks again once, for a start at the end
-of the key's reservations (a second return that late starts anyway: a worker that is
-always late must not defer a job for ever). A reservation whose job never comes back
-(its worker died and the message went elsewhere) is a start not used: the limit errs
-low, never high. A retry is a new start and asks again.
+measures it). A reservation whose job never comes back (its worker died and the message
+went elsewhere) is a start not used: the limit errs low, never high. A retry is a new
+job for the limit and asks again.
 
 Failure policy: without Redis the job runs unlimited, with a WARNING and the metric's
 ``unguarded`` count, as the downstream limit does: a limit is protection for a
@@ -51,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,14 +62,14 @@ if TYPE_CHECKING:
 __all__ = ["RateLimit", "RateLimitStep", "admit", "limited_keys"]
 
 logger = job_log.get_logger("celery_explicit.rate_limit")
+_rng = random.SystemRandom()
 
-#: Message header holding a deferred job's reserved start:
-#: ``<retries>:<epoch ms>:<asked again>``. The retry count binds it to the attempt it was
-#: reserved for (Celery copies a message's headers onto its retry, which must ask
-#: again); ``1`` when the job already asked again after coming back late.
+#: Message header holding a deferred job's reservation: ``<retries>:<epoch ms>``. The
+#: retry count binds it to the attempt it was reserved for (Celery copies a message's
+#: headers onto its retry, which must ask again).
 SLOT_HEADER = "explicit_rate_slot"
-#: A job that comes back this much before its reserved start (the receiving worker's
-#: clock) starts anyway: the broker's ETA timer is not exact to the millisecond.
+#: A job that comes back this much before its reservation (the Redis server's clock)
+#: may start: the broker's ETA timer and the workers' clocks are not exact.
 EARLY = 0.02
 
 
@@ -104,12 +100,6 @@ class RateLimit:
         ):
             raise bad(f"per={self.per!r} must be a positive number of seconds")
 
-    @property
-    def late(self) -> float:
-        """Seconds a returning job may be late and still start on its reservation: an
-        interval (``per / limit``), at least a tenth of the period."""
-        return max(self.per / self.limit, self.per / 10.0)
-
     def describe(self) -> str:
         return f"{self.limit} per {self.per:g}s"
 
@@ -139,48 +129,69 @@ def declared(
     return value
 
 
-# KEYS[1] - the key's starts, the newest first (epoch ms, the server's clock): at most
-#           ``limit`` of them, each a start made or reserved, none older than a period
-# ARGV[1] - the limit
-# ARGV[2] - the period in milliseconds
-# return {wait ms, start ms}: wait '0' when admitted now; else the reserved start
-# A start goes at least one period after the ``limit``-th start before it, so no window
-# of one period holds more than ``limit`` starts, and the list stays sorted: a
-# reservation ahead exists only while the list is full, and each is later than the last
-# (and at least one interval, period / limit, after it).
+# KEYS[1] - the key's reservations, the newest first (epoch ms, the server's clock): at
+#           most ``limit``, none older than a period
+# KEYS[2] - the key's starts made, the newest first: at most ``limit``, none older than a
+#           period
+# ARGV[1] - the limit   ARGV[2] - the period in milliseconds
+# ARGV[3] - the job's reservation (epoch ms), or '' for a job that has none yet
+# ARGV[4] - milliseconds early a reservation may start (the broker's timer)
+# return {wait ms, reservation ms, why}: wait '0' and 'started' when the job starts now
+#   (recorded as made); else 'reserved' (its reservation is ahead) or 'room' (due, but
+#   the last period had its ``limit`` starts)
+# A reservation goes at least one period after the ``limit``-th before it and one
+# interval (period / limit) after the last, so a backlog is spread evenly and no
+# period holds more than ``limit`` reservations; both lists stay sorted. A job whose
+# reservation is due starts only if fewer than ``limit`` starts were made in the last
+# period: a job that comes back late to a busy worker waits for room rather than
+# crowd the period it lands in, and keeps its place.
 ADMIT = Script(
     "rate_limit_admit",
     SERVER_NOW_MS
     + """
 local limit = tonumber(ARGV[1])
 local period = tonumber(ARGV[2])
--- Starts older than one period bound nothing: dropped, so a key keeps only the starts
--- of its last period and those reserved ahead (each start is popped once: O(1) a call).
-local oldest = redis.call('lindex', KEYS[1], -1)
-while oldest and tonumber(oldest) <= now_ms - period do
-    redis.call('rpop', KEYS[1])
-    oldest = redis.call('lindex', KEYS[1], -1)
+-- What is older than one period bounds nothing: dropped (each entry once: O(1) a call).
+for _, name in ipairs(KEYS) do
+    local oldest = redis.call('lindex', name, -1)
+    while oldest and tonumber(oldest) <= now_ms - period do
+        redis.call('rpop', name)
+        oldest = redis.call('lindex', name, -1)
+    end
 end
-local start = now_ms
-if redis.call('llen', KEYS[1]) >= limit then
-    local earlier = tonumber(redis.call('lindex', KEYS[1], limit - 1))
-    if earlier + period > start then start = earlier + period end
-    -- A backlog's starts go one interval (period / limit) apart, not in bursts of
-    -- ``limit`` a period: a start that comes back late then crowds one interval,
-    -- not a whole burst.
-    local spaced = tonumber(redis.call('lindex', KEYS[1], 0)) + period / limit
-    if spaced > start then start = spaced end
+local reserved = tonumber(ARGV[3])
+if not reserved then
+    reserved = now_ms
+    if redis.call('llen', KEYS[1]) >= limit then
+        local earlier = tonumber(redis.call('lindex', KEYS[1], limit - 1))
+        if earlier + period > reserved then reserved = earlier + period end
+        local spaced = tonumber(redis.call('lindex', KEYS[1], 0)) + period / limit
+        if spaced > reserved then reserved = spaced end
+    end
+    redis.call('lpush', KEYS[1], string.format('%.0f', reserved))
+    redis.call('ltrim', KEYS[1], 0, limit - 1)
+    redis.call('pexpire', KEYS[1], math.max(1, math.ceil(reserved - now_ms + period)))
 end
-redis.call('lpush', KEYS[1], string.format('%.0f', start))
-redis.call('ltrim', KEYS[1], 0, limit - 1)
-redis.call('pexpire', KEYS[1], math.max(1, math.ceil(start - now_ms + period)))
-return {string.format('%.0f', start - now_ms), string.format('%.0f', start)}
+local shown = string.format('%.0f', reserved)
+if reserved > now_ms + tonumber(ARGV[4]) then
+    return {string.format('%.0f', reserved - now_ms), shown, 'reserved'}
+end
+if redis.call('llen', KEYS[2]) >= limit then
+    local room = tonumber(redis.call('lindex', KEYS[2], limit - 1)) + period
+    return {string.format('%.0f', math.max(1, room - now_ms)), shown, 'room'}
+end
+redis.call('lpush', KEYS[2], string.format('%.0f', now_ms))
+redis.call('ltrim', KEYS[2], 0, limit - 1)
+redis.call('pexpire', KEYS[2], math.max(1, math.ceil(period)))
+return {'0', shown, 'started'}
 """,
 )
 
 
-def state_key(key: str, *, prefix: str | None = None) -> str:
-    return f"{prefix or redis_state.prefix()}rate:{tagged(key)}"
+def state_keys(key: str, *, prefix: str | None = None) -> list[str]:
+    """The key's reservations and its starts made (one hash tag: one Cluster slot)."""
+    head = prefix or redis_state.prefix()
+    return [f"{head}rate:{tagged(key)}", f"{head}rate-started:{tagged(key)}"]
 
 
 def limited_set(*, prefix: str | None = None) -> str:
@@ -189,15 +200,30 @@ def limited_set(*, prefix: str | None = None) -> str:
 
 
 def admit(
-    limit: RateLimit, key: str, *, prefix: str | None = None, redis_client: Any | None = None
-) -> tuple[float, int]:
-    """(seconds to wait, reserved start in epoch ms on the server's clock) for one job
-    of ``key``: 0 seconds when it may start now."""
+    limit: RateLimit,
+    key: str,
+    reserved_ms: int | None = None,
+    *,
+    prefix: str | None = None,
+    redis_client: Any | None = None,
+) -> tuple[float, int, str]:
+    """(seconds to wait, reservation in epoch ms on the server's clock, why) for one job
+    of ``key``: 0 seconds and ``started`` when it starts now. A job with no reservation
+    yet is given one; a job whose reservation is due starts if the last period has room
+    (``room``: it has not)."""
     conn = redis_client or redis_state.client()
-    wait_ms, start_ms = call(
-        conn, ADMIT, [state_key(key, prefix=prefix)], [limit.limit, f"{limit.per * 1000.0:.3f}"]
+    wait_ms, start_ms, why = call(
+        conn,
+        ADMIT,
+        state_keys(key, prefix=prefix),
+        [
+            limit.limit,
+            f"{limit.per * 1000.0:.3f}",
+            "" if reserved_ms is None else reserved_ms,
+            int(EARLY * 1000),
+        ],
     )
-    return int(text(wait_ms)) / 1000.0, int(text(start_ms))
+    return int(text(wait_ms)) / 1000.0, int(text(start_ms)), text(why)
 
 
 def limited_keys(
@@ -215,19 +241,16 @@ def limited_keys(
     ]
 
 
-def reservation(request: Any) -> tuple[int, bool] | None:
-    """The reserved start (epoch ms) this message carries for its own attempt, and
-    whether the job already asked again after coming back late; None if none."""
+def reservation(request: Any) -> int | None:
+    """The reservation (epoch ms) this message carries for its own attempt, if any."""
     raw = getattr(request, SLOT_HEADER, None)
-    if not isinstance(raw, str):
+    if not isinstance(raw, str) or ":" not in raw:
         return None
-    parts = raw.split(":")
-    if len(parts) != 3:
-        return None
+    retries, _, start = raw.partition(":")
     try:
-        if int(parts[0]) != int(request.retries or 0):
+        if int(retries) != int(request.retries or 0):
             return None  # reserved for an earlier attempt: a retry asks again
-        return int(parts[1]), parts[2] == "1"
+        return int(start)
     except ValueError:
         return None
 
@@ -253,40 +276,30 @@ class RateLimitStep(Step):
 
         execution, request = job.execution, job.request
         key = execution.rate_key
-        reserved = reservation(request)
-        start_ms: int | None = None
-        asked_again = False
-        wait = 0.0
-        if reserved is not None:
-            start_ms, asked_again = reserved
-            wait = start_ms / 1000.0 - time.time()
-            if wait < -self.limit.late and not asked_again:
-                # Back late (its worker was busy): starting now on the old reservation
-                # could crowd the starts reserved for this period. It asks again, once.
-                start_ms, asked_again = None, True
-        if start_ms is None:
-            try:
-                wait, start_ms = admit(self.limit, key)
-            except redis.RedisError:
-                metrics.rate_limit.labels(self.task_name, "unguarded").inc()
-                logger.warning(
-                    "rate limit %s: state store unavailable, running unlimited",
-                    key,
-                    extra=execution.log_fields(),
-                )
-                return RUN
-        # Whatever defers the job from here on (this step, a busy downstream), it comes
-        # back with its start: the one reservation it made.
-        execution.deferral_headers[SLOT_HEADER] = (
-            f"{int(request.retries or 0)}:{start_ms}:{int(asked_again)}"
-        )
-        if wait <= EARLY:
+        try:
+            wait, start_ms, why = admit(self.limit, key, reservation(request))
+        except redis.RedisError:
+            metrics.rate_limit.labels(self.task_name, "unguarded").inc()
+            logger.warning(
+                "rate limit %s: state store unavailable, running unlimited",
+                key,
+                extra=execution.log_fields(),
+            )
             return RUN
+        # Whatever defers the job from here on (this step, a busy downstream), it comes
+        # back with its reservation: its place among the key's jobs.
+        execution.deferral_headers[SLOT_HEADER] = f"{int(request.retries or 0)}:{start_ms}"
+        if wait <= 0:
+            return RUN
+        if why == "room":
+            # Due, but the period is full: several jobs back late at once would all
+            # come back at the one moment there is room for one; spread them.
+            wait += _rng.uniform(0.0, self.limit.per / self.limit.limit)
         metrics.rate_limit.labels(self.task_name, "deferred").inc()
         note_limited(key, start_ms)
         return Defer(
             wait,
-            f"rate limit {key} ({self.limit.describe()}) has no room: runs at its reserved start",
+            f"rate limit {key} ({self.limit.describe()}) has no room: waits for its reserved start",
             {"rate_limit_key": key},
         )
 

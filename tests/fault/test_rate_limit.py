@@ -15,6 +15,7 @@ every worker).
 
 from __future__ import annotations
 
+import collections
 import uuid
 
 import pytest
@@ -61,7 +62,7 @@ def clean_limits(redis_client):  # type: ignore[no-untyped-def]
 
     def wipe() -> None:
         for account in ("acct-noisy", "acct-quiet"):
-            redis_client.delete(rate_limit.state_key(f"test-api:{account}"))
+            redis_client.delete(*rate_limit.state_keys(f"test-api:{account}"))
 
     wipe()
     yield
@@ -88,18 +89,22 @@ def test_the_limit_holds_across_four_workers(
     busiest = most_in_one_period(times, int(API.per * 1000))
     span = (times[-1] - times[0]) / 1000.0
     if limiter == "explicit":
-        # Five reserved per second, spread evenly; a start that came back late to a busy
-        # worker (less than RateLimit.late: later, it asks again) may share a second with
-        # the reservations after it, and one may come EARLY.
-        assert busiest <= API.limit + 2, (busiest, lateness(redis_client, tag))
+        # Five starts a second on the Redis server's clock when admitted; each handler
+        # writes its own a few milliseconds later, which can bring two starts a period
+        # apart into one second here.
+        assert busiest <= API.limit + 1, (busiest, lateness(redis_client, tag))
         # The backlog takes as long as the limit says: a burst of five, then five a
         # second.
         assert span >= (JOBS - API.limit) / API.limit * 0.95, span
         ran = Attempt.objects.filter(task_name=CallLimitedApi.name, outcome=Outcome.SUCCEEDED)
-        assert ran.count() == JOBS
+        # Each handler writes its start before its attempt row: wait for the last rows.
+        wait_for(lambda: ran.count() >= JOBS, timeout=30, what="every attempt recorded")
+        outcomes = collections.Counter(
+            Attempt.objects.filter(task_name=CallLimitedApi.name).values_list("outcome", flat=True)
+        )
+        assert ran.count() == JOBS, (outcomes, lateness(redis_client, tag)[:5])
         deferred = [(a.deferrals or {}).get("rate_limit", 0) for a in ran]
-        assert sum(deferred) >= JOBS - API.limit * 2  # most were deferred, once each
-        assert max(deferred) <= 2
+        assert sum(deferred) >= JOBS - API.limit * 2  # most were deferred
         # explain says why the last job waited.
         last = max(ran, key=lambda a: (a.deferrals or {}).get("rate_limit", 0))
         assert "its key's rate limit had no room" in explain(last.idempotency_key)

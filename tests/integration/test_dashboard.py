@@ -328,12 +328,12 @@ def test_a_rate_limited_key_is_listed_while_it_has_starts_booked_ahead(
     limit = RateLimit("test-dash:{k}", 1, per=90.0)
     try:
         rate_limit.admit(limit, key)
-        _wait, start = rate_limit.admit(limit, key)  # the second is booked 90 s ahead
+        _wait, start, _why = rate_limit.admit(limit, key)  # the second is booked 90 s ahead
         rate_limit.note_limited(key, start)
         html = staff.get(URL).content.decode()
         assert f"<strong>{key}</strong> (booked 9" in html
     finally:
-        redis_client.delete(rate_limit.state_key(key))
+        redis_client.delete(*rate_limit.state_keys(key))
         redis_client.zrem(rate_limit.limited_set(), key)
     assert key not in staff.get(URL).content.decode()
 

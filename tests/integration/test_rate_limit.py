@@ -21,14 +21,15 @@ from tests.testapp.tasks_rate_limit import CallLimitedApi
 def key(redis_client):  # type: ignore[no-untyped-def]
     name = f"test-admit:{uuid.uuid4().hex[:8]}"
     yield name
-    redis_client.delete(rate_limit.state_key(name))
+    redis_client.delete(*rate_limit.state_keys(name))
 
 
 def test_a_burst_of_limit_then_starts_one_interval_apart(key: str) -> None:
     limit = RateLimit("test-admit:{k}", 3, per=2.0)
     answers = [admit(limit, key) for _ in range(9)]
-    waits = [wait for wait, _start in answers]
-    starts = [start for _wait, start in answers]
+    waits = [wait for wait, _start, _why in answers]
+    starts = [start for _wait, start, _why in answers]
+    assert [why for _w, _s, why in answers] == ["started"] * 3 + ["reserved"] * 6
     assert waits[:3] == [0.0, 0.0, 0.0]  # a burst of the limit goes at once
     for later in range(3, 9):
         # A period after the limit-th start before it, an interval (2 s / 3) after the
@@ -50,7 +51,7 @@ def test_keys_are_independent(key: str, redis_client) -> None:  # type: ignore[n
     try:
         assert admit(limit, other)[0] == 0.0  # a quiet key does not wait
     finally:
-        redis_client.delete(rate_limit.state_key(other))
+        redis_client.delete(*rate_limit.state_keys(other))
 
 
 def test_the_state_lasts_one_period_after_the_last_start(key: str, redis_client) -> None:  # type: ignore[no-untyped-def]
@@ -58,9 +59,9 @@ def test_the_state_lasts_one_period_after_the_last_start(key: str, redis_client)
     admit(limit, key)
     admit(limit, key)
     admit(limit, key)  # reserved 3 s ahead
-    ttl = redis_client.pttl(rate_limit.state_key(key))
+    ttl = redis_client.pttl(rate_limit.state_keys(key)[0])
     assert 5_000 < ttl <= 6_100
-    assert redis_client.llen(rate_limit.state_key(key)) == 2
+    assert redis_client.llen(rate_limit.state_keys(key)[0]) == 2
 
 
 def test_a_key_keeps_only_the_starts_of_its_last_period(key: str, redis_client) -> None:  # type: ignore[no-untyped-def]
@@ -69,10 +70,10 @@ def test_a_key_keeps_only_the_starts_of_its_last_period(key: str, redis_client) 
     limit = RateLimit("test-admit:{k}", 100, per=0.3)
     for _ in range(5):
         admit(limit, key)
-    assert redis_client.llen(rate_limit.state_key(key)) == 5
+    assert redis_client.llen(rate_limit.state_keys(key)[0]) == 5
     time.sleep(0.4)
     assert admit(limit, key)[0] == 0.0
-    assert redis_client.llen(rate_limit.state_key(key)) == 1
+    assert redis_client.llen(rate_limit.state_keys(key)[0]) == 1
 
 
 def test_bad_input_for_the_key_is_refused_at_publish() -> None:
@@ -95,6 +96,13 @@ def execution(key: str) -> Execution:
     )
 
 
+def back(step: RateLimitStep, key: str, reserved_ms: int) -> tuple[object, Execution]:
+    """The step's decision for a job coming back with its reservation."""
+    came = execution(key)
+    request = SimpleNamespace(retries=0, **{rate_limit.SLOT_HEADER: f"0:{reserved_ms}"})
+    return step.before_run(Job(CallLimitedApi.name, request, came)), came
+
+
 def test_the_step_defers_to_the_reservation_and_lists_the_key(key: str) -> None:
     step = RateLimitStep(CallLimitedApi.name, RateLimit("test-admit:{k}", 1, per=30.0))
     first = execution(key)
@@ -104,29 +112,27 @@ def test_the_step_defers_to_the_reservation_and_lists_the_key(key: str) -> None:
     assert isinstance(decision, Defer)
     assert 29.0 < decision.seconds <= 30.0
     assert f"rate limit {key} (1 per 30s) has no room" in decision.reason
-    # The re-publish carries the reservation; coming back, the job does not ask again.
-    retries, start, asked_again = second.deferral_headers[rate_limit.SLOT_HEADER].split(":")
-    assert (retries, asked_again) == ("0", "0")
+    # The re-publish carries the reservation: the job keeps its place.
+    retries, start = second.deferral_headers[rate_limit.SLOT_HEADER].split(":")
+    assert retries == "0"
     assert key in dict(limited_keys())
+    # Back before its reservation (a clock or a timer early): it waits the rest.
+    early, _ = back(step, key, int(start))
+    assert isinstance(early, Defer) and 29.0 < early.seconds <= 30.0
 
-    def back(late: float, asked: int) -> Execution:
-        slot = f"0:{int(start) - 30_000 - int(late * 1000)}:{asked}"
-        came = execution(key)
-        request = SimpleNamespace(retries=0, **{rate_limit.SLOT_HEADER: slot})
-        decided = step.before_run(Job(CallLimitedApi.name, request, came))
-        return came if decided is RUN else decided  # type: ignore[return-value]
 
-    # On time, or late by less than RateLimit.late (3 s here): it starts, asking nothing.
-    assert isinstance(back(0.0, 0), Execution)
-    assert isinstance(back(2.0, 0), Execution)
-    # Later than that, it asks again once: no room now, deferred, marked as having asked.
-    again = execution(key)
-    late = SimpleNamespace(retries=0, **{rate_limit.SLOT_HEADER: f"0:{int(start) - 60_000}:0"})
-    assert isinstance(step.before_run(Job(CallLimitedApi.name, late, again)), Defer)
-    assert again.deferral_headers[rate_limit.SLOT_HEADER].endswith(":1")
-    # Late again after asking once, it starts: a worker always late must not defer it
-    # for ever.
-    assert isinstance(back(60.0, 1), Execution)
+def test_a_due_job_starts_only_if_the_last_period_has_room(key: str) -> None:
+    step = RateLimitStep(CallLimitedApi.name, RateLimit("test-admit:{k}", 2, per=30.0))
+    _wait, now_ms, _why = admit(step.limit, key)  # one start made now
+    # Two jobs come back late on reservations already due: one fits, the other waits
+    # for the moment the period has room, keeping its reservation.
+    decided, came = back(step, key, now_ms - 5_000)
+    assert decided is RUN
+    assert came.deferral_headers[rate_limit.SLOT_HEADER] == f"0:{now_ms - 5_000}"
+    waiting, came = back(step, key, now_ms - 4_000)
+    # Until the first start is a period old, spread by up to an interval (15 s here).
+    assert isinstance(waiting, Defer) and 29.0 < waiting.seconds <= 45.0
+    assert came.deferral_headers[rate_limit.SLOT_HEADER] == f"0:{now_ms - 4_000}"
 
 
 def test_without_redis_the_job_runs_unlimited_and_is_counted(monkeypatch, key: str) -> None:  # type: ignore[no-untyped-def]

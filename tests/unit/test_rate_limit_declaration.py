@@ -108,17 +108,10 @@ class Request:
 
 
 def test_a_reservation_holds_for_its_own_attempt_only() -> None:
-    assert reservation(Request(0, "0:1764724800123:0")) == (1764724800123, False)
-    assert reservation(Request(2, "2:5:1")) == (5, True)
+    assert reservation(Request(0, "0:1764724800123")) == 1764724800123
+    assert reservation(Request(2, "2:5")) == 5
     # Celery copies a message's headers onto its retry: the retry asks again.
-    assert reservation(Request(1, "0:1764724800123:0")) is None
+    assert reservation(Request(1, "0:1764724800123")) is None
     assert reservation(Request(0, None)) is None
     assert reservation(Request(0, "garbage")) is None
-    assert reservation(Request(0, "0:not-a-time:0")) is None
-    assert reservation(Request(0, "0:1764724800123")) is None
-
-
-def test_a_late_return_may_start_an_interval_late_at_least_a_tenth_of_the_period() -> None:
-    assert RateLimit("k:{a}", 5, per=1.0).late == 0.2
-    assert RateLimit("k:{a}", 100, per=1.0).late == 0.1
-    assert RateLimit("k:{a}", 10, per=60.0).late == 6.0
+    assert reservation(Request(0, "0:not-a-time")) is None
