@@ -24,6 +24,21 @@ VALID: dict[str, Any] = {
 }
 
 
+@pytest.fixture(autouse=True)
+def forget_registered_tasks() -> Any:
+    """Take the tasks a case registers out of the Celery app again: they stay in the
+    process's app otherwise, and a later test that reads every registered task (the
+    system checks, against a 45 s broker lease) would find this module's 60 s lease."""
+    from django_outbox import tasks_backend
+    from tests.celery_app import app
+
+    before = set(app.tasks)
+    yield
+    for name in set(app.tasks) - before:
+        del app.tasks[name]
+    tasks_backend._built.clear()
+
+
 # django.tasks takes module-level functions only: one per case, so no case meets a
 # Celery task another one registered.
 def capture(payment_id: int) -> None:
