@@ -28,7 +28,7 @@ from tests.testapp.tasks_rate_limit import API, CallLimitedApi, call_api_celery_
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
-JOBS = scaled(40, 300)
+JOBS = scaled(30, 300)
 
 
 def starts(redis_client, tag: str) -> list[tuple[str, int]]:  # type: ignore[no-untyped-def]
@@ -125,8 +125,6 @@ def test_a_quiet_key_does_not_wait_behind_a_noisy_one(
             kwargs={"account": "acct-noisy", "job": job, "tag": tag}, queue=queue
         )
     CallLimitedApi().apply_async(kwargs={"account": quiet, "job": -1, "tag": tag}, queue=queue)
-    published_at = redis_client.time()
-    published_ms = published_at[0] * 1000 + published_at[1] // 1000
     for _ in range(2):
         start_worker(concurrency=2)
     wait_for(
@@ -135,11 +133,13 @@ def test_a_quiet_key_does_not_wait_behind_a_noisy_one(
         what="every job started",
     )
     rows = starts(redis_client, tag)
-    backlog_done = (rows[-1][1] - published_ms) / 1000.0
+    # Counted from the first start of all: the workers' start-up is nobody's wait.
+    first_ms = rows[0][1]
+    backlog_done = (rows[-1][1] - first_ms) / 1000.0
     # The job's own start: its attempt row (on the control's shared key its start is
     # one of many alike).
     job = Attempt.objects.get(idempotency_key=f"api-call:{tag}:-1")
-    quiet_wait = job.started_at.timestamp() - published_ms / 1000.0
+    quiet_wait = job.started_at.timestamp() - first_ms / 1000.0
     assert backlog_done >= (backlog - API.limit) / API.limit * 0.95, backlog_done
     if quiet == "acct-quiet":
         # Its wait: the workers passing once over the backlog ahead of it.
