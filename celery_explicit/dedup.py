@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from celery_explicit import declarations, job_log, keys, metrics, redis_state
 from celery_explicit.headers import REPLAY_HEADER
 from celery_explicit.outcomes import Outcome
-from celery_explicit.redis_scripts import Script, call
+from celery_explicit.redis_scripts import CLAIM_IF_FREE, RELEASE_IF_MINE, call
 from celery_explicit.redis_state import client, text
 from celery_explicit.steps import RUN, Decision, Drop, Job, RetryLater, Step
 
@@ -66,34 +66,8 @@ def declared(
     return Dedup(key=key, window=window)
 
 
-# KEYS[1] - the dedup mark for one (task, id)
-# ARGV[1] - the task id claiming it
-# ARGV[2] - window in milliseconds
-# return the task id that owns the id: ARGV[1] if this call claimed it, else the owner
-CLAIM = Script(
-    "dedup_claim",
-    """
-local owner = redis.call('get', KEYS[1])
-if owner then
-    return owner
-end
-redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return ARGV[1]
-""",
-)
-
-# KEYS[1] - the dedup mark
-# ARGV[1] - the task id that claimed it
-# return 1 if this task's claim was removed, otherwise 0 (someone else's claim stays)
-RELEASE = Script(
-    "dedup_release",
-    """
-if redis.call('get', KEYS[1]) == ARGV[1] then
-    return redis.call('del', KEYS[1])
-end
-return 0
-""",
-)
+CLAIM = CLAIM_IF_FREE  # the first to ask holds it
+RELEASE = RELEASE_IF_MINE
 
 
 def mark_key(task_name: str, dedup_id: str, *, prefix: str | None = None) -> str:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery_explicit import job_log, keys, metrics, redis_state
-from celery_explicit.redis_scripts import Script, call, tagged
+from celery_explicit.redis_scripts import CLAIM_IF_FREE, RELEASE_IF_MINE, call, tagged
 from celery_explicit.redis_state import text
 
 __all__ = [
@@ -269,34 +269,8 @@ def _cron_minute(cron: Any, tz: dt.tzinfo, at: dt.datetime, *, step: int) -> dt.
 
 # --- the claim ---------------------------------------------------------------------------
 
-# KEYS[1] - the claim of one (entry, slot)
-# ARGV[1] - the claimant: <task id>|<host>
-# ARGV[2] - how long the claim is kept, in milliseconds
-# return the claimant that holds the slot: ARGV[1] if this call claimed it, else the holder
-CLAIM = Script(
-    "periodic_claim",
-    """
-local holder = redis.call('get', KEYS[1])
-if holder then
-    return holder
-end
-redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return ARGV[1]
-""",
-)
-
-# KEYS[1] - the claim of one (entry, slot)
-# ARGV[1] - the claimant that took it
-# return 1 if this claimant's claim was removed, otherwise 0 (another's stays)
-RELEASE = Script(
-    "periodic_release",
-    """
-if redis.call('get', KEYS[1]) == ARGV[1] then
-    return redis.call('del', KEYS[1])
-end
-return 0
-""",
-)
+CLAIM = CLAIM_IF_FREE  # the first to ask holds it
+RELEASE = RELEASE_IF_MINE
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,35 @@ def library() -> Library:
         return _library
 
 
+# Claims that go to the first to ask: a dedup id at publish (``dedup``), a periodic
+# entry's schedule slot at a beat (``periodic``).
+# KEYS[1] - the claim   ARGV[1] - the claimant   ARGV[2] - how long it is kept, in ms
+# return the claimant that holds it: ARGV[1] if this call claimed it, else the holder
+CLAIM_IF_FREE = Script(
+    "claim_if_free",
+    """
+local holder = redis.call('get', KEYS[1])
+if holder then
+    return holder
+end
+redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return ARGV[1]
+""",
+)
+
+# KEYS[1] - the claim   ARGV[1] - the claimant that took it
+# return 1 if this claimant's claim was removed, otherwise 0 (another's stays)
+RELEASE_IF_MINE = Script(
+    "release_if_mine",
+    """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+    return redis.call('del', KEYS[1])
+end
+return 0
+""",
+)
+
+
 def tagged(value: str) -> str:
     """``{value}``: a Redis Cluster hash tag; keys carrying the same one share a slot."""
     return "{" + value + "}"
