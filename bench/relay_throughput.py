@@ -64,6 +64,7 @@ def main() -> None:
 
     from bench.benchapp.tasks import ExplicitUpdate
     from bench.celery_app import app
+    from django_outbox.db.relay_sql import SORT_DEFAULT, SORT_OFF
     from django_outbox.models import OutboxEvent
     from django_outbox.outbox.relay.claim import CLAIM_POSTGRESQL
     from django_outbox.outbox.relay.loop import Relay
@@ -141,8 +142,11 @@ def main() -> None:
             start = time.perf_counter()
             while True:
                 with transaction.atomic(), connection.cursor() as cursor:
-                    cursor.execute(CLAIM_POSTGRESQL, [batch_size])
+                    # The relay's claim, planned as the relay plans it (sorts off).
+                    cursor.execute(SORT_OFF)
+                    cursor.execute(CLAIM_POSTGRESQL, {"limit": batch_size})
                     rows = cursor.fetchall()
+                    cursor.execute(SORT_DEFAULT)
                     if not rows:
                         break
                     if publish:

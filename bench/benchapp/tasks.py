@@ -137,22 +137,33 @@ def _floor_lease_client() -> Any:
 
 @app.task(name="bench.floor_update", acks_late=True, bind=True)
 def floor_update(self: Any, row_id: int, op_id: str) -> None:
-    import time
+    _floor(self.request.id, row_id, op_id, leased=_FLOOR_LEASED)
+
+
+@app.task(name="bench.floor_update_unleased", acks_late=True, bind=True)
+def floor_update_unleased(self: Any, row_id: int, op_id: str) -> None:
+    """The floor without the execution lease's two Redis round trips and the fence
+    check: what a job would cost with no Redis call from the pool process at all, the
+    most that moving the lease out of the pool process could buy."""
+    _floor(self.request.id, row_id, op_id, leased=False)
+
+
+def _floor(task_id: str, row_id: int, op_id: str, *, leased: bool) -> None:
     from datetime import UTC, datetime
 
     from django.db import connection
 
-    task_id = self.request.id
+    name = "bench.floor_update"  # the same statements, byte for byte, either way
     owner = f"bench:{os.getpid()}"
     fence = 1
-    if _FLOOR_LEASED:
+    if leased:
         client = _floor_lease_client()
         prefix, acquire, release = _floor_functions
         tag = "{" + task_id + "}"
         lease, held = f"{prefix}run:{tag}", f"{prefix}run-held:{tag}"
+        counter = f"{prefix}run-fence:{tag}"
         fence = client.execute_command(
-            "FCALL", acquire, 3, lease, held, f"{prefix}run-fence:{tag}",
-            30_000, owner, int(time.time() * 1000), 86_400, "",
+            "FCALL", acquire, 3, lease, held, counter, 30_000, owner, 86_400, "",
         )[0]  # fmt: skip
         assert fence, "the floor's lease was taken"
     connection.ensure_connection()
@@ -162,7 +173,7 @@ def floor_update(self: Any, row_id: int, op_id: str) -> None:
     with transaction.atomic():
         pgconn.send_query(
             f"BEGIN; INSERT INTO django_outbox_processed_operation (key, task_name, task_id, "
-            f"fingerprint, result_ref, processed_at) VALUES ('{key}', 'bench.floor_update', "
+            f"fingerprint, result_ref, processed_at) VALUES ('{key}', '{name}', "
             f"'{task_id}', '{_FLOOR_FINGERPRINT}', '', '{started}'::timestamptz) "
             "ON CONFLICT (key) DO NOTHING RETURNING key; "
             "SELECT fingerprint, result_ref FROM django_outbox_processed_operation "
@@ -179,12 +190,14 @@ def floor_update(self: Any, row_id: int, op_id: str) -> None:
             "INSERT INTO django_outbox_attempt (task_id, task_name, idempotency_key, attempt, "
             "redelivered, worker_host, worker_pid, started_at, finished_at, duration_ms, "
             "outcome, error_class, error_message, retry_delay, next_attempt_at, "
-            "correlation_id, external_request_id, replay_of, published_via, deferrals) "
-            f"VALUES ('{task_id}', 'bench.floor_update', '{key}', 1, false, 'bench', "
+            "correlation_id, external_request_id, replay_of, published_via, deferrals, "
+            "published_key, sent_at, app_version) "
+            f"VALUES ('{task_id}', '{name}', '{key}', 1, false, 'bench', "
             f"{os.getpid()}, '{started}'::timestamptz, '{finished}'::timestamptz, 0.5, "
-            f"'applied', '', '', NULL, NULL, '{task_id}', '', NULL, '', NULL); "
+            f"'applied', '', '', NULL, NULL, '{task_id}', '', NULL, '', NULL, '', "
+            f"'{started}'::timestamptz, ''); "
         )
-        if _FLOOR_LEASED:
+        if leased:
             # The fence check effect() sends with the attempt row under a lease.
             last += (
                 "SELECT CAST('explicit: stale fencing token ' || token AS integer) "
@@ -192,8 +205,9 @@ def floor_update(self: Any, row_id: int, op_id: str) -> None:
             )
         committed = pgconn.exec_((last + "COMMIT").encode())
         assert committed.command_status == b"COMMIT", committed.error_message
-    if _FLOOR_LEASED:
-        assert client.execute_command("FCALL", release, 2, lease, held, fence)
+    if leased:
+        released = client.execute_command("FCALL", release, 3, lease, held, counter, fence)
+        assert released == 1, f"the floor's lease was not released: {released}"
 
 
 @app.task(
