@@ -6,6 +6,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def reset_rows() -> None:
 
 def start_worker(queue: str, *more: str) -> subprocess.Popen[bytes]:
     """A ``celery worker`` of the bench app on ``queue`` (prefork ``-c 2``, WARNING, no
-    gossip, mingle or heartbeat), its output discarded; ``more``: further options
+    gossip, mingle or heartbeat), its output kept for ``check_workers``; ``more``: further options
     before ``-Q`` (``-I module``). WARNING level prints no "ready": the caller waits."""
     env = {
         **os.environ,
@@ -73,9 +74,34 @@ def start_worker(queue: str, *more: str) -> subprocess.Popen[bytes]:
         "--without-heartbeat", "-l", "WARNING",
     ]
     # fmt: on
-    return subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-    )
+    with tempfile.NamedTemporaryFile(prefix="bench-worker-", suffix=".log", delete=False) as log:
+        worker = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    _worker_logs[worker.pid] = Path(log.name)
+    return worker
+
+
+#: Each started worker's output, by pid: read by check_workers once it has stopped.
+_worker_logs: dict[int, Path] = {}
+
+
+def check_workers(*workers: subprocess.Popen[bytes]) -> None:
+    """Exit with the worker's errors when any job of a stopped worker failed: a
+    benchmark whose jobs raise measures Celery's failure path, not the job (a floor
+    whose statements no longer match our scripts once ran at a third of its speed,
+    every job raising after its commit, and the run still completed)."""
+    failed = []
+    for worker in workers:
+        log = _worker_logs.pop(worker.pid, None)
+        if log is None:
+            continue
+        text = log.read_text(errors="replace")
+        log.unlink()
+        lines = text.splitlines()
+        bad = [i for i, line in enumerate(lines) if " ERROR/" in line or "CRITICAL/" in line]
+        if bad:
+            failed.append("\n".join(lines[bad[0] : bad[0] + 40]))
+    if failed:
+        raise SystemExit("a bench worker logged errors:\n" + "\n---\n".join(failed))
 
 
 class ProcessCPU:

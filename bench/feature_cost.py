@@ -23,7 +23,7 @@ import os
 import time
 import uuid
 
-from common import ratio_line, reset_rows, setup_django, start_worker, summary
+from common import check_workers, ratio_line, reset_rows, setup_django, start_worker, summary
 
 
 def main() -> None:
@@ -82,6 +82,7 @@ def main() -> None:
         for worker in workers:
             worker.terminate()
             worker.wait(30)
+    check_workers(*workers)
     base = rates["ExplicitTask"]
     for name, side in rates.items():
         print(summary(name, side))

@@ -35,7 +35,15 @@ from typing import Any
 # A database of its own: other benchmarks reset the shared one's rows while they run.
 os.environ.setdefault("EXPLICIT_BENCH_DB", "explicit_bench_peers")
 
-from common import per_round, ratio_line, reset_rows, setup_django, start_worker, summary
+from common import (
+    check_workers,
+    per_round,
+    ratio_line,
+    reset_rows,
+    setup_django,
+    start_worker,
+    summary,
+)
 
 
 def median(values: list[float]) -> float:
@@ -220,6 +228,7 @@ def main() -> None:
             worker.wait(10)
         broker.delete(queue)
         clear_peer_locks()
+    check_workers(worker)
 
     print(f"\n1. publish: apply_async to Redis, no worker, {args.calls} calls x {args.rounds}")
     plain = cost[names[0]]

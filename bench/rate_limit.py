@@ -25,7 +25,7 @@ import os
 import time
 import uuid
 
-from common import setup_django, start_worker
+from common import check_workers, setup_django, start_worker
 
 
 def main() -> None:
@@ -56,12 +56,14 @@ def main() -> None:
         workers = [start_worker(queue) for _ in range(4)]
         time.sleep(6)  # WARNING level prints no "ready": give them time to start
         try:
-            return body(queue)
+            result = body(queue)
         finally:
             for worker in workers:
                 worker.terminate()
             for worker in workers:
                 worker.wait(60)
+        check_workers(*workers)
+        return result
 
     def held(task, label: str) -> None:  # type: ignore[no-untyped-def]
         run_id = uuid.uuid4().hex[:8]

@@ -26,7 +26,7 @@ import sys
 import time
 import uuid
 
-from common import DB_NAME, ROOT, reset_rows, setup_django, start_worker
+from common import DB_NAME, ROOT, check_workers, reset_rows, setup_django, start_worker
 
 TABLES = {
     "attempts": "django_outbox_attempt",
@@ -120,6 +120,7 @@ def main() -> None:
     relay.terminate()
     worker.wait(60)
     relay.wait(60)
+    check_workers(worker)
     print(f"{args.jobs} jobs in {time.monotonic() - started:.0f}s")
     vacuum(full=False)
     before = measure()

@@ -29,7 +29,15 @@ import statistics
 import time
 import uuid
 
-from common import ProcessCPU, ratio_line, reset_rows, setup_django, start_worker, summary
+from common import (
+    ProcessCPU,
+    check_workers,
+    ratio_line,
+    reset_rows,
+    setup_django,
+    start_worker,
+    summary,
+)
 
 
 def main() -> None:
@@ -114,6 +122,7 @@ def main() -> None:
     finally:
         worker.terminate()
         worker.wait(30)
+    check_workers(worker)
     print(summary("plain acks_late task", plain))
     print(summary("ExplicitTask (effect + attempt)", explicit))
     ratios = [e / p for e, p in zip(explicit, plain, strict=True)]

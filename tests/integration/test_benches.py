@@ -1,0 +1,75 @@
+"""The benchmarks still measure what they say they measure.
+
+A benchmark's references are hand-written copies of our statements (the floor sends
+the execution lease's functions and the attempt row by hand): when our side changes,
+a copy left behind fails, and a worker's failed jobs only slow a round down. So the
+end-to-end benchmarks run here at a tiny scale, through ``bench/``'s own entry points,
+and must end cleanly: a bench worker that logged an error makes its benchmark exit
+non-zero (``bench.common.check_workers``). Figures are not looked at: no test asserts
+a timing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import common
+from tests.support.processes import run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.worker
+
+#: The benchmarks' own settings, not the test run's (pytest-django exports its own).
+BENCH_ENV = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings"}
+
+
+@pytest.mark.timeout(300)
+def test_throughput_bench_runs_every_side_with_no_failed_job() -> None:
+    output = run(
+        [sys.executable, "bench/throughput.py", "--floor", "--tasks", "20", "--rounds", "1"],
+        timeout=280,
+        cwd=ROOT,
+        env=BENCH_ENV,
+    )
+    for line in ("P1 ratio", "P1a ExplicitTask / floor", "floor without lease / floor"):
+        assert line in output, output
+
+
+@pytest.mark.timeout(300)
+def test_relay_bench_runs_its_references_by_hand() -> None:
+    output = run(
+        [
+            sys.executable,
+            "bench/relay_throughput.py",
+            *("--events", "200", "--rounds", "1", "--batch-sizes", "50"),
+        ],
+        timeout=280,
+        cwd=ROOT,
+        env=BENCH_ENV,
+    )
+    for line in ("relay, batch size 50", "a relay by hand", "its claim and marks alone"):
+        assert line in output, output
+
+
+def test_a_worker_that_logged_a_failed_job_stops_the_benchmark(tmp_path: Path) -> None:
+    # Negative control for the check above: a worker whose log holds Celery's line for
+    # a job that raised.
+    log = tmp_path / "worker.log"
+    line = "[2026-01-01 00:00:00,000: ERROR/ForkPoolWorker-1] Task bench.floor_update raised"
+    with log.open("w") as out:
+        worker = subprocess.Popen([sys.executable, "-c", f"print({line!r})"], stdout=out)
+        worker.wait(30)
+    common._worker_logs[worker.pid] = log
+    with pytest.raises(SystemExit, match=r"bench\.floor_update raised"):
+        common.check_workers(worker)
+    quiet = subprocess.Popen([sys.executable, "-c", "print('warning only')"])
+    quiet.wait(30)
+    common._worker_logs[quiet.pid] = tmp_path / "quiet.log"
+    (tmp_path / "quiet.log").write_text("[...: WARNING/MainProcess] slow\n")
+    common.check_workers(quiet)  # a warning is not a failed job
