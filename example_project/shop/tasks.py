@@ -11,7 +11,14 @@ from django.db import transaction
 from django.db.models import F, Sum
 from shop_project.celery import app
 
-from celery_explicit import Downstream, ExplicitTask, LeaseLock, LockNotAcquired, effect
+from celery_explicit import (
+    Downstream,
+    ExplicitTask,
+    LeaseLock,
+    LockNotAcquired,
+    RateLimit,
+    effect,
+)
 from django_outbox.cache.versioned import VersionedCache
 from django_outbox.store.guarded_writes import fenced_update, versioned_update
 from shop.models import (
@@ -234,6 +241,58 @@ class RebuildSalesReport(ExplicitTask):
         return fence
 
 
+#: The courier's label API takes three requests a second per courier account, however
+#: many workers ask: kept in Redis for all of them together.
+COURIER_LABELS = RateLimit("courier:{courier}", 3, per=1.0)
+
+
+class PrintShippingLabel(ExplicitTask):
+    """An order's shipping label from its courier's API, within the courier's rate limit.
+
+    A label over the limit is not held in a pool slot: it is deferred to a start booked
+    for it, so another courier's label starts as soon as a worker reaches it.
+    """
+
+    name = "shop.print_shipping_label"
+    idempotency_key = "order:{order_id}:label"
+    rate_limit = COURIER_LABELS
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = (GatewayTimeout,)
+    fail_on = ()
+
+    def run(self, order_id: int, courier: str) -> None:
+        with self.effect() as printed:
+            if printed.done:
+                return
+            printed.result_ref = f"{courier} label"
+
+
+class SettlePayouts(ExplicitTask):
+    """The sellers' payouts, settled on a schedule by ``celery beat`` (every night in a
+    real shop; every two seconds in the demo).
+
+    ``periodic = True``: the beat (``celery_explicit.beat.PersistentScheduler``) claims
+    each schedule slot before publishing it, so a second beat running at the same time
+    (a deploy's overlap) publishes nothing; the slot is ``run()``'s argument and names the
+    effect, so even a copy the claim missed settles a slot once.
+    """
+
+    name = "shop.settle_payouts"
+    periodic = True
+    idempotency_key = "payouts:{slot}"
+    visibility_timeout = 30
+    expected_duration = 1
+    retry_on = ()
+    fail_on = ()
+
+    def run(self, slot: str) -> None:
+        with self.effect() as settled:
+            if settled.done:
+                return
+            settled.result_ref = f"payouts of slot {slot}"
+
+
 def _redis() -> redis.Redis:
     # The worker's broker is the shop's Redis; one client per process.
     global _client
@@ -251,3 +310,5 @@ app.register_task(RecordPaymentWebhook())
 app.register_task(SyncStock())
 app.register_task(ShipOrder())
 app.register_task(ApplyOrderStatus())
+app.register_task(PrintShippingLabel())
+app.register_task(SettlePayouts())

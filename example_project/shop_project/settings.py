@@ -91,6 +91,16 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "unacked_mutex_expire": 30,
 }
 CELERY_DB_REUSE_MAX = 1000
+# Run by `celery beat -S celery_explicit.beat:PersistentScheduler`: each slot published
+# once, however many beats run. Every two seconds for the demo (SHOP_BEAT_QUEUE is the
+# demo's queue); a real shop would settle nightly (crontab(hour=2, minute=0)).
+CELERY_BEAT_SCHEDULE = {
+    "settle-payouts": {
+        "task": "shop.settle_payouts",
+        "schedule": 2.0,
+        "options": {"queue": os.environ.get("SHOP_BEAT_QUEUE", "celery")},
+    }
+}
 
 EXPLICIT_CELERY_APP = "shop_project.celery.app"
 # django_outbox.cache.versioned runs on django-redis (the demo points it at its own Redis).

