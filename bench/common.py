@@ -176,6 +176,20 @@ def per_round(ratios: list[float]) -> str:
     return ", ".join(f"{x:.3f}" for x in ratios)
 
 
+def cost_lines(
+    label: str, ours: list[float], base: list[float], what: str, *, per: str = "a job"
+) -> str:
+    """Two lines for rates taken side by side, round by round: the ratio of ``ours`` to
+    ``base`` per round with its median, and what ``what`` adds in µs ``per`` operation
+    (the median of the rounds' differences of 1/rate)."""
+    ratios = [o / b for o, b in zip(ours, base, strict=True)]
+    extra = [1e6 / o - 1e6 / b for o, b in zip(ours, base, strict=True)]
+    return (
+        ratio_line(label, ratios)
+        + f"\n  {what}: {statistics.median(extra):+.0f} µs {per} (median of the rounds)"
+    )
+
+
 def ratio_line(label: str, ratios: list[float], note: str = "") -> str:
     """``label per round: 0.912, 0.887, 0.941  -> median 0.912 (note)``, the rounds in
     the order they ran."""

@@ -18,7 +18,7 @@ import argparse
 import time
 import uuid
 
-from common import ratio_line, setup_django, summary
+from common import cost_lines, setup_django, summary
 
 
 def main() -> None:
@@ -70,11 +70,7 @@ def main() -> None:
     for name, side_rates in rates.items():
         print(summary(f"{name} publishes", side_rates))
     base, ours = rates["dispatch(ExplicitTask)"], rates["@task enqueue()"]
-    print(
-        ratio_line("@task enqueue() / dispatch()", [o / b for o, b in zip(ours, base, strict=True)])
-    )
-    extra = sorted(1e6 / o - 1e6 / b for o, b in zip(ours, base, strict=True))
-    print(f"  enqueue(): {extra[len(extra) // 2]:+.0f} µs a job (median of the rounds)")
+    print(cost_lines("@task enqueue() / dispatch()", ours, base, "enqueue()"))
 
 
 if __name__ == "__main__":

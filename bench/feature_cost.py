@@ -23,7 +23,7 @@ import os
 import time
 import uuid
 
-from common import check_workers, ratio_line, reset_rows, setup_django, start_worker, summary
+from common import check_workers, cost_lines, reset_rows, setup_django, start_worker, summary
 
 
 def main() -> None:
@@ -89,10 +89,7 @@ def main() -> None:
     for name, side in rates.items():
         if side is base:
             continue
-        ratios = [s / b for s, b in zip(side, base, strict=True)]
-        extra = [1e6 / s - 1e6 / b for s, b in zip(side, base, strict=True)]
-        print(ratio_line(f"{name} / ExplicitTask", ratios))
-        print(f"  {name}: {sorted(extra)[len(extra) // 2]:+.0f} µs a job (median of the rounds)")
+        print(cost_lines(f"{name} / ExplicitTask", side, base, name))
 
 
 if __name__ == "__main__":

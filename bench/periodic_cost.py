@@ -19,7 +19,7 @@ import tempfile
 import time
 import uuid
 
-from common import ratio_line, setup_django, summary
+from common import cost_lines, setup_django, summary
 
 
 def main() -> None:
@@ -89,9 +89,7 @@ def main() -> None:
     for side_name, side_rates in rates.items():
         print(summary(f"{side_name} publishes", side_rates))
     base, ours_rates = rates["Celery's Scheduler"], rates["SlotClaims (ours)"]
-    print(ratio_line("ours / Celery's", [o / b for o, b in zip(ours_rates, base, strict=True)]))
-    extra = sorted(1e6 / o - 1e6 / b for o, b in zip(ours_rates, base, strict=True))
-    print(f"  once per slot: {extra[len(extra) // 2]:+.0f} µs a slot (median of the rounds)")
+    print(cost_lines("ours / Celery's", ours_rates, base, "once per slot", per="a slot"))
 
 
 if __name__ == "__main__":
