@@ -84,6 +84,9 @@ def start_worker(
         return worker.wait_ready()
 
     yield start
+    # Side by side: each warm shutdown waits for its pool, none for another's.
+    for worker in started:
+        worker.begin_stop()
     for worker in started:
         worker.stop()
     redis_client.delete(queue)

@@ -77,6 +77,8 @@ class ManagedProcess:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._ready: Ready | None = ready if ready is not None else self.ready_marker
+        #: ``begin_stop()`` sent its signal; ``stop()`` then only waits.
+        self._stop_sent = False
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
         try:
             self.process: subprocess.Popen[bytes] = subprocess.Popen(
@@ -132,7 +134,8 @@ class ManagedProcess:
         return [int(pid) for pid in out.split()]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
-        """Send ``sig`` and wait for it to exit; returns its exit code, or None if it had
+        """Send ``sig`` (unless ``begin_stop()`` sent one) and wait for it to exit; returns
+        its exit code, or None if it had
         to be killed (SIGKILL to its process group after ``timeout``).
 
         Whatever is left of its process group is killed either way (children of a killed
@@ -141,7 +144,8 @@ class ManagedProcess:
         """
         code: int | None = None
         if self.process.poll() is None:
-            self.process.send_signal(sig)
+            if not self._stop_sent:
+                self.process.send_signal(sig)
             try:
                 code = self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -152,6 +156,14 @@ class ManagedProcess:
         self.kill_group()
         self._log.close()
         return code
+
+    def begin_stop(self, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` and return at once; ``stop()`` then waits for it. Several
+        processes stopped this way shut down side by side (a prefork worker's warm
+        shutdown takes about 1.7 s, most of it billiard joining the pool)."""
+        if self.process.poll() is None and not self._stop_sent:
+            self.process.send_signal(sig)
+            self._stop_sent = True
 
     def kill_group(self) -> None:
         """SIGKILL to every process left in its process group."""
