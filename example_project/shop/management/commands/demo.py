@@ -295,13 +295,17 @@ class Command(BaseCommand):
     def _incident(self, queue: str, bare_queue: str) -> None:
         out = self.stdout.write
         out("\n4. The ShipOrder incident: the warehouse takes 6 s, the job's lease is 2 s.")
-        # Without the heartbeat a second execution runs too: wait for both to end.
+        # Both at once, each on its own worker. Without the heartbeat a second execution
+        # runs too: wait for both to end.
+        runs = []
         for label, on_queue, executions in (
             ("with the lease heartbeat", queue, 1),
             ("without it (what Celery alone does)", bare_queue, 2),
         ):
             order = Order.objects.create()
             ShipOrder().apply_async(args=[order.pk, 6.0], queue=on_queue)
+            runs.append((label, order, executions))
+        for label, order, executions in runs:
             rows = Attempt.objects.filter(idempotency_key=f"order:{order.pk}:ship")
             _wait(
                 lambda rows=rows, n=executions: (
@@ -446,6 +450,9 @@ class Command(BaseCommand):
         out = self.stdout.write
         out("\n10. Two celery beats at once (a deploy's overlap), payouts every 2 s.")
         beats = [self._start_beat(url, queue, state_dir, n) for n in (1, 2)]
+        for n in (1, 2):
+            log_path = state_dir / f"beat{n}.log"
+            _wait(lambda p=log_path: "beat: Starting" in p.read_text(errors="replace"), "a beat")
         try:
             time.sleep(6.0)  # three slots with both beats up
         finally:
@@ -495,7 +502,6 @@ class Command(BaseCommand):
             cwd=PROJECT_DIR, env=env, stdout=log, stderr=subprocess.STDOUT,
         )
         # fmt: on
-        _wait(lambda: "beat: Starting" in log_path.read_text(errors="replace"), "the beat")
         return proc
 
     def _attempts(self, task_name: str) -> None:
