@@ -227,9 +227,9 @@ for _combination in COMBINATIONS:
 # CI: the full suite runs on the default combination (.ci/run, scripts/test); this adds
 # the newest Python/Django combination's unit and integration tests
 # (``nox -s "ci(newest)"``; docs/compatibility.md has its time).
-# The tests that build the package, install it into a venv of their own or run the demo
-# shop exercise the packaging and the README, not a version of Django or Celery: they
-# run once per CI run, in scripts/test, not again here.
+# The tests that build the package, install it into a venv of their own, run the demo
+# shop or run the benchmarks exercise the packaging, the README and bench/, not a version
+# of Django or Celery: they run once per CI run, in scripts/test, not again here.
 _session(
     next(c for c in COMBINATIONS if c.name == "newest"),
     kind="ci",
@@ -239,5 +239,6 @@ _session(
         "--deselect=tests/integration/test_quick_start.py",
         "--deselect=tests/integration/test_wheel.py",
         "--deselect=tests/integration/test_demo.py",
+        "--deselect=tests/integration/test_benches.py",
     ],
 )
