@@ -86,9 +86,9 @@ _worker_logs: dict[int, Path] = {}
 
 def check_workers(*workers: subprocess.Popen[bytes]) -> None:
     """Exit with the worker's errors when any job of a stopped worker failed: a
-    benchmark whose jobs raise measures Celery's failure path, not the job (a floor
-    whose statements no longer match our scripts once ran at a third of its speed,
-    every job raising after its commit, and the run still completed)."""
+    benchmark whose jobs raise measures Celery's failure path, not the job, and its
+    rounds still complete (a job that raises after its commit still moves the rows the
+    benchmark counts)."""
     failed = []
     for worker in workers:
         log = _worker_logs.pop(worker.pid, None)

@@ -173,8 +173,8 @@ def _floor(task_id: str, row_id: int, op_id: str, *, leased: bool) -> None:
     with transaction.atomic():
         pgconn.send_query(
             f"BEGIN; INSERT INTO django_outbox_processed_operation (key, task_name, task_id, "
-            f"fingerprint, result_ref, processed_at) VALUES ('{key}', '{name}', "
-            f"'{task_id}', '{_FLOOR_FINGERPRINT}', '', '{started}'::timestamptz) "
+            f"fingerprint, result_ref, processed_at, app_version) VALUES ('{key}', '{name}', "
+            f"'{task_id}', '{_FLOOR_FINGERPRINT}', '', '{started}'::timestamptz, '') "
             "ON CONFLICT (key) DO NOTHING RETURNING key; "
             "SELECT fingerprint, result_ref FROM django_outbox_processed_operation "
             f"WHERE key = '{key}'".encode()

@@ -3,8 +3,9 @@
 A benchmark's references are hand-written copies of our statements (the floor sends
 the execution lease's functions and the attempt row by hand): when our side changes,
 a copy left behind fails, and a worker's failed jobs only slow a round down. So the
-end-to-end benchmarks run here at a tiny scale, through ``bench/``'s own entry points,
-and must end cleanly: a bench worker that logged an error makes its benchmark exit
+two benchmarks with hand-written references, ``throughput.py --floor`` and
+``relay_throughput.py``, run here at a tiny scale through their own entry points and
+must end cleanly: a bench worker that logged an error makes its benchmark exit
 non-zero (``bench.common.check_workers``). Figures are not looked at: no test asserts
 a timing.
 """

@@ -81,7 +81,8 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     assert labels, out
     starts = [float(t) for t in labels.group(1).replace("+", "").split(", ")]
     assert len(starts) == 9
-    assert sum(t < 0.9 for t in starts) <= 3, starts
+    # (A start is stamped before the admission; load only makes the fourth later.)
+    assert sum(t < 0.5 for t in starts) <= 3, starts
     assert starts[-1] >= 1.5, starts
     assert int(labels.group(2)) >= 6
     ups = re.search(r"ups label started ([\d.]+) s after its publish, deferred 0 times", out)
@@ -97,7 +98,9 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     assert published >= 2 and dropped >= 1, beats.group(0)
     settled = re.search(r"payouts settled: (\d+), (\d+) slot\(s\), each once", out)
     assert settled, out
-    assert int(settled.group(1)) == int(settled.group(2)) == published, settled.group(0)
+    # Once per slot; a slot can be settled without its row if a beat stops between
+    # publishing it and recording it (the demo stops them halfway between slots).
+    assert int(settled.group(1)) == int(settled.group(2)) >= published, settled.group(0)
     # The demo ends by explaining the incident from the stored data.
     explained = out.split("\n11. manage.py explicit_explain ")[1]
     verdict = next(line for line in explained.splitlines() if "verdict:" in line)
@@ -120,11 +123,16 @@ def test_demo_shows_each_contract(tmp_path: Path) -> None:
     )
 
 
-def test_demo_refuses_a_step_it_does_not_have() -> None:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'example_project'}{os.pathsep}{ROOT}"}
+@pytest.mark.parametrize(("steps", "named"), [("1,12", "12"), ("", ""), ("1,,2", ""), ("²", "²")])
+def test_demo_refuses_a_step_it_does_not_have(tmp_path: Path, steps: str, named: str) -> None:
+    env = {
+        **os.environ,
+        "SHOP_STATE_DIR": str(tmp_path),
+        "PYTHONPATH": f"{ROOT / 'example_project'}{os.pathsep}{ROOT}",
+    }
     env.pop("DJANGO_SETTINGS_MODULE", None)
     done = subprocess.run(
-        [sys.executable, "manage.py", "demo", "--steps", "1,12"],
+        [sys.executable, "manage.py", "demo", "--steps", steps],
         cwd=ROOT / "example_project",
         env=env,
         capture_output=True,
@@ -132,4 +140,4 @@ def test_demo_refuses_a_step_it_does_not_have() -> None:
         timeout=120,
     )
     assert done.returncode == 1, done
-    assert "--steps: '12' is not a step; the steps are 1 to 11" in done.stderr, done.stderr
+    assert f"--steps: {named!r} is not a step; the steps are 1 to 11" in done.stderr, done.stderr

@@ -135,8 +135,8 @@ class ManagedProcess:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
         """Send ``sig`` (unless ``begin_stop()`` sent one) and wait for it to exit; returns
-        its exit code, or None if it had
-        to be killed (SIGKILL to its process group after ``timeout``).
+        its exit code, or None if it had to be killed (SIGKILL to its process group after
+        ``timeout``).
 
         Whatever is left of its process group is killed either way (children of a killed
         main process must not outlive the test). Stopping a stopped process returns its

@@ -141,11 +141,11 @@ NEEDS = {11: 4}
 def _steps(given: str | None) -> list[int]:
     """The steps ``--steps`` names (``1,4,5``), each with the steps it needs; all by
     default."""
-    if not given:
+    if given is None:
         return list(STEPS)
     chosen: set[int] = set()
     for part in given.split(","):
-        if not part.strip().isdigit() or int(part) not in STEPS:
+        if not part.strip().isdecimal() or int(part) not in STEPS:
             raise CommandError(
                 f"--steps: {part.strip()!r} is not a step; the steps are "
                 f"{STEPS[0]} to {STEPS[-1]}, as the demo numbers them"
@@ -471,8 +471,8 @@ class Command(BaseCommand):
         orders = [Order.objects.create() for _ in range(10)]
         for order in orders[:9]:
             PrintShippingLabel().apply_async(args=[order.pk, "dhl"], queue=queue)
-        PrintShippingLabel().apply_async(args=[orders[9].pk, "ups"], queue=queue)
         published = time.time()
+        PrintShippingLabel().apply_async(args=[orders[9].pk, "ups"], queue=queue)
         labels = Attempt.objects.filter(task_name="shop.print_shipping_label", outcome="applied")
         _wait(lambda: labels.count() == len(orders), "every label")
         by_key = {a.idempotency_key: a for a in labels}
@@ -499,7 +499,9 @@ class Command(BaseCommand):
             log_path = state_dir / f"beat{n}.log"
             _wait(lambda p=log_path: "beat: Starting" in p.read_text(errors="replace"), "a beat")
         try:
-            time.sleep(6.0)  # three slots with both beats up
+            # Three slots with both beats up; stopped halfway between two slots, so
+            # neither is stopped while it publishes one.
+            time.sleep(6.0 + (1.0 - time.time() % 2.0) % 2.0)
         finally:
             for beat in beats:
                 beat.send_signal(signal.SIGTERM)
