@@ -132,6 +132,41 @@ def _wait(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> No
         time.sleep(0.2)
 
 
+def _celery(
+    args: list[str], url: str, log_path: Path, env: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    """``celery -A shop_project <args>`` on the demo's Redis, its output in ``log_path``;
+    ``env`` added to this process's environment."""
+    env = {
+        **os.environ,
+        "SHOP_REDIS_URL": url,
+        "PYTHONPATH": os.pathsep.join(
+            [str(PROJECT_DIR), str(PROJECT_DIR.parent), os.environ.get("PYTHONPATH", "")]
+        ),
+        **env,
+    }
+    celery = shutil.which("celery", path=str(Path(sys.executable).parent)) or "celery"
+    log = open(log_path, "w")  # noqa: SIM115 (the process owns it until it exits)
+    return subprocess.Popen(
+        [celery, "-A", "shop_project", *args],
+        cwd=PROJECT_DIR,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to each, side by side; killed if one has not exited 20 s later."""
+    for proc in processes:
+        proc.send_signal(signal.SIGTERM)
+    for proc in processes:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 #: The demo's steps, by the number each prints.
 STEPS = range(1, 12)
 #: The explanation (step 11) reads the incident's data (step 4).
@@ -145,14 +180,15 @@ def _steps(given: str | None) -> list[int]:
         return list(STEPS)
     chosen: set[int] = set()
     for part in given.split(","):
-        if not part.strip().isdecimal() or int(part) not in STEPS:
+        step = int(part) if part.strip().isdecimal() else 0
+        if step not in STEPS:
             raise CommandError(
                 f"--steps: {part.strip()!r} is not a step; the steps are "
                 f"{STEPS[0]} to {STEPS[-1]}, as the demo numbers them"
             )
-        chosen.add(int(part))
-        if int(part) in NEEDS:
-            chosen.add(NEEDS[int(part)])
+        chosen.add(step)
+        if step in NEEDS:
+            chosen.add(NEEDS[step])
     return sorted(chosen)
 
 
@@ -240,50 +276,22 @@ class Command(BaseCommand):
                 for step in steps:
                     run[step]()
             finally:
-                for proc in workers:
-                    proc.send_signal(signal.SIGTERM)
-                for proc in workers:
-                    try:
-                        proc.wait(20)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+                _stop(workers)
                 redis.Redis.from_url(url).delete(queue, f"{queue}-no-heartbeat")
             self.stdout.write(f"\nworker log: {log_path}")
 
     def _start_worker(
         self, url: str, queue: str, log_path: Path, extra_env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
-        env = {
-            **os.environ,
-            "SHOP_REDIS_URL": url,
-            "PYTHONPATH": os.pathsep.join(
-                [str(PROJECT_DIR), str(PROJECT_DIR.parent), os.environ.get("PYTHONPATH", "")]
-            ),
-            **(extra_env or {}),
-        }
-        celery = shutil.which("celery", path=str(Path(sys.executable).parent)) or "celery"
-        log = open(log_path, "w")  # noqa: SIM115 (the worker owns it until it exits)
-        proc = subprocess.Popen(
+        # fmt: off
+        proc = _celery(
             [
-                celery,
-                "-A",
-                "shop_project",
-                "worker",
-                "-Q",
-                queue,
-                "-c",
-                "2",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "-l",
-                "INFO",
+                "worker", "-Q", queue, "-c", "2", "--without-gossip", "--without-mingle",
+                "--without-heartbeat", "-l", "INFO",
             ],
-            cwd=PROJECT_DIR,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            url, log_path, extra_env or {},
         )
+        # fmt: on
         _wait(lambda: " ready." in log_path.read_text(errors="replace"), "the worker to start")
         self.stdout.write(f"worker: pid {proc.pid}, queue {queue}\n")
         return proc
@@ -503,13 +511,7 @@ class Command(BaseCommand):
             # neither is stopped while it publishes one.
             time.sleep(6.0 + (1.0 - time.time() % 2.0) % 2.0)
         finally:
-            for beat in beats:
-                beat.send_signal(signal.SIGTERM)
-            for beat in beats:
-                try:
-                    beat.wait(20)
-                except subprocess.TimeoutExpired:
-                    beat.kill()
+            _stop(beats)
         slots = PeriodicSlot.objects.filter(entry="settle-payouts")
         settled = Attempt.objects.filter(task_name="shop.settle_payouts", outcome="applied")
         _wait(lambda: settled.count() >= slots.count(), "every published slot's payouts")
@@ -526,30 +528,16 @@ class Command(BaseCommand):
         )
 
     def _start_beat(self, url: str, queue: str, state_dir: Path, n: int) -> subprocess.Popen[bytes]:
-        env = {
-            **os.environ,
-            "SHOP_REDIS_URL": url,
-            "SHOP_BEAT_QUEUE": queue,
-            "PYTHONPATH": os.pathsep.join(
-                [str(PROJECT_DIR), str(PROJECT_DIR.parent), os.environ.get("PYTHONPATH", "")]
-            ),
-        }
-        celery = shutil.which("celery", path=str(Path(sys.executable).parent)) or "celery"
-        log_path = state_dir / f"beat{n}.log"
-        log = open(log_path, "w")  # noqa: SIM115 (the beat owns it until it exits)
         # fmt: off
-        proc = subprocess.Popen(
+        return _celery(
             [
-                celery, "-A", "shop_project", "beat",
-                "-S", "celery_explicit.beat:PersistentScheduler",
+                "beat", "-S", "celery_explicit.beat:PersistentScheduler",
                 "-s", str(state_dir / f"beat{n}-schedule"),
-                "--pidfile", str(state_dir / f"beat{n}.pid"),
-                "-l", "INFO",
+                "--pidfile", str(state_dir / f"beat{n}.pid"), "-l", "INFO",
             ],
-            cwd=PROJECT_DIR, env=env, stdout=log, stderr=subprocess.STDOUT,
+            url, state_dir / f"beat{n}.log", {"SHOP_BEAT_QUEUE": queue},
         )
         # fmt: on
-        return proc
 
     def _attempts(self, task_name: str) -> None:
         for a in Attempt.objects.filter(task_name=task_name).order_by("started_at"):
