@@ -14,7 +14,10 @@ docs/performance.md): ExplicitTask / plain >= 0.80.
 Python (P1a: ExplicitTask / floor >= 0.93), and a fourth, the same without the
 execution lease's two Redis round trips and its fence check: what a job would cost
 with no Redis call from the pool process, the most that moving the lease into the
-worker's main process could buy. ``--by-process`` also prints, for each
+worker's main process could buy; and a fifth, the floor with its lease taken and given
+back by the worker's main process (``MainLeaseRequest``: a blocking call each way in
+the main process's loop, the fence handed to the pool child in the request): what that
+move buys when the calls stay calls. ``--by-process`` also prints, for each
 side, the CPU µs a job spent in each process of the run (this publisher, the worker's
 main process, its pool children, PostgreSQL, Redis; medians of the rounds), read from
 /proc: where an end-to-end job's cost lands, beyond the pool child that
@@ -67,6 +70,7 @@ def main() -> None:
     from bench.benchapp.tasks import (
         ExplicitUpdate,
         floor_update,
+        floor_update_main_lease,
         floor_update_unleased,
         plain_update,
     )
@@ -110,13 +114,16 @@ def main() -> None:
         explicit: list[float] = []
         floor: list[float] = []
         unleased: list[float] = []
+        main_lease: list[float] = []
         if args.floor:
             run(floor_update, 200, measured=False)
             run(floor_update_unleased, 200, measured=False)
+            run(floor_update_main_lease, 200, measured=False)
         for r in range(args.rounds):
             order = [(plain_update, plain), (ExplicitUpdate(), explicit)]
             if args.floor:
                 order += [(floor_update, floor), (floor_update_unleased, unleased)]
+                order += [(floor_update_main_lease, main_lease)]
             for task, rates in order if r % 2 == 0 else reversed(order):
                 rates.append(run(task, args.tasks))
     finally:
@@ -134,20 +141,17 @@ def main() -> None:
         over_floor = [e / f for e, f in zip(explicit, floor, strict=True)]
         print(ratio_line("P1a ExplicitTask / floor", over_floor, "target >= 0.93"))
         print(summary("floor without the execution lease", unleased))
-        print(
-            ratio_line(
-                "floor without lease / floor",
-                [u / f for u, f in zip(unleased, floor, strict=True)],
-                "the most no Redis call from the pool process could buy",
-            )
-        )
-        print(
-            ratio_line(
-                "floor without lease / plain",
-                [u / p for u, p in zip(unleased, plain, strict=True)],
-                "P1's ceiling with the lease out of the pool process",
-            )
-        )
+        print(summary("floor, lease in the worker's main", main_lease))
+        for label, side, against, meaning in (
+            ("floor without lease / floor", unleased, floor,
+             "the most no Redis call from the pool process could buy"),
+            ("floor without lease / plain", unleased, plain,
+             "P1's ceiling with the lease out of the pool process"),
+            ("floor, lease in main / floor", main_lease, floor,
+             "what moving the lease's calls to the main process buys"),
+        ):  # fmt: skip
+            ratios = [a / b for a, b in zip(side, against, strict=True)]
+            print(ratio_line(label, ratios, meaning))
     if args.by_process:
         print("CPU µs a job by process, each the median of the rounds; 'all' is the median")
         print("of each round's sum. The servers count whole: this process's polling for the")

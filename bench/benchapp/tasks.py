@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from celery.worker.request import Request
 from django.db import transaction
 from django.db.models import F
 
@@ -148,20 +149,66 @@ def floor_update_unleased(self: Any, row_id: int, op_id: str) -> None:
     _floor(self.request.id, row_id, op_id, leased=False)
 
 
-def _floor(task_id: str, row_id: int, op_id: str, *, leased: bool) -> None:
+class MainLeaseRequest(Request):
+    """The floor's request with the execution lease taken and given back by the worker's
+    main process: taken as the job goes to the pool (one blocking call in the main
+    process's loop), its fence handed to the pool child in the request, given back just
+    before the ack. What moving the lease out of the pool process would buy, or cost."""
+
+    @property
+    def request_dict(self) -> dict[str, Any]:
+        # Celery's worker reads this once, as it hands the job to the pool.
+        headers: dict[str, Any] = self._request_dict
+        if "floor_fence" not in headers:
+            client = _floor_lease_client()
+            prefix, acquire, _release = _floor_functions
+            keys = _floor_keys(prefix, self.id)
+            owner = f"bench:{os.getpid()}"
+            reply = client.execute_command("FCALL", acquire, 3, *keys, 30_000, owner, 86_400, "")
+            headers["floor_fence"] = int(reply[0])
+        return headers
+
+    def acknowledge(self) -> None:
+        fence = self._request_dict.get("floor_fence")
+        if fence and not self.acknowledged:
+            client = _floor_lease_client()
+            prefix, _acquire, release = _floor_functions
+            keys = _floor_keys(prefix, self.id)
+            released = client.execute_command("FCALL", release, 3, *keys, fence)
+            if released != 1:  # logged as an error by the worker: check_workers stops
+                raise RuntimeError(f"the floor's lease was not released: {released}")
+        super().acknowledge()
+
+
+def _floor_keys(prefix: str, task_id: str) -> tuple[str, str, str]:
+    tag = "{" + task_id + "}"
+    return f"{prefix}run:{tag}", f"{prefix}run-held:{tag}", f"{prefix}run-fence:{tag}"
+
+
+@app.task(name="bench.floor_update_main_lease", acks_late=True, bind=True, Request=MainLeaseRequest)
+def floor_update_main_lease(self: Any, row_id: int, op_id: str) -> None:
+    """The floor with its execution lease taken and released by the worker's main
+    process (``MainLeaseRequest``): no Redis call from the pool process, the fence
+    check at commit as under a lease."""
+    fence = int(self.request.floor_fence)
+    assert fence, "the floor's lease was taken"
+    _floor(self.request.id, row_id, op_id, leased=False, main_fence=fence)
+
+
+def _floor(
+    task_id: str, row_id: int, op_id: str, *, leased: bool, main_fence: int | None = None
+) -> None:
     from datetime import UTC, datetime
 
     from django.db import connection
 
     name = "bench.floor_update"  # the same statements, byte for byte, either way
     owner = f"bench:{os.getpid()}"
-    fence = 1
+    fence = main_fence or 1
     if leased:
         client = _floor_lease_client()
         prefix, acquire, release = _floor_functions
-        tag = "{" + task_id + "}"
-        lease, held = f"{prefix}run:{tag}", f"{prefix}run-held:{tag}"
-        counter = f"{prefix}run-fence:{tag}"
+        lease, held, counter = _floor_keys(prefix, task_id)
         fence = client.execute_command(
             "FCALL", acquire, 3, lease, held, counter, 30_000, owner, 86_400, "",
         )[0]  # fmt: skip
@@ -197,7 +244,7 @@ def _floor(task_id: str, row_id: int, op_id: str, *, leased: bool) -> None:
             f"'applied', '', '', NULL, NULL, '{task_id}', '', NULL, '', NULL, '', "
             f"'{started}'::timestamptz, ''); "
         )
-        if leased:
+        if leased or main_fence:
             # The fence check effect() sends with the attempt row under a lease.
             last += (
                 "SELECT CAST('explicit: stale fencing token ' || token AS integer) "

@@ -38,7 +38,12 @@ def test_throughput_bench_runs_every_side_with_no_failed_job() -> None:
         cwd=ROOT,
         env=BENCH_ENV,
     )
-    for line in ("P1 ratio", "P1a ExplicitTask / floor", "floor without lease / floor"):
+    for line in (
+        "P1 ratio",
+        "P1a ExplicitTask / floor",
+        "floor without lease / floor",
+        "floor, lease in main / floor",
+    ):
         assert line in output, output
 
 
