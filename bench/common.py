@@ -57,15 +57,19 @@ def reset_rows() -> None:
     vacuum()
 
 
-def start_worker(queue: str, *more: str) -> subprocess.Popen[bytes]:
+def start_worker(
+    queue: str, *more: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """A ``celery worker`` of the bench app on ``queue`` (prefork ``-c 2``, WARNING, no
     gossip, mingle or heartbeat), its output kept for ``check_workers``; ``more``: further options
-    before ``-Q`` (``-I module``). WARNING level prints no "ready": the caller waits."""
+    before ``-Q`` (``-I module``); ``env``: further environment variables. WARNING level
+    prints no "ready": the caller waits."""
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "bench.settings",
         "EXPLICIT_TEST_DB_NAME": DB_NAME,
         "PYTHONPATH": str(ROOT),
+        **(env or {}),
     }
     # fmt: off
     command = [

@@ -18,8 +18,6 @@ import argparse
 import os
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,33 +31,20 @@ os.environ.setdefault("EXPLICIT_BENCH_BROKER_URL", "redis://127.0.0.1:6379/11")
 os.environ.setdefault("EXPLICIT_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 os.environ.setdefault("EXPLICIT_TEST_CACHE_URL", "redis://127.0.0.1:6379/10")
 
-from common import DB_NAME, ROOT, ratio_line, reset_rows, setup_django, summary
+from common import (
+    check_workers,
+    ratio_line,
+    reset_rows,
+    setup_django,
+    start_worker,
+    summary,
+)
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def start_worker(queue: str, extra: dict[str, str]) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "bench.settings",
-        "EXPLICIT_TEST_DB_NAME": DB_NAME,
-        "PYTHONPATH": str(ROOT),
-        **extra,
-    }
-    # fmt: off
-    command = [
-        sys.executable, "-m", "celery", "-A", "bench.celery_app", "worker", "-Q", queue,
-        "-c", "2", "-P", "prefork", "-n", f"{queue}@%h",
-        "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING",
-    ]
-    # fmt: on
-    return subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-    )
 
 
 def scraper(port: int, interval: float, stop: threading.Event, sizes: list[int]) -> None:
@@ -117,9 +102,10 @@ def main() -> None:
     workers = {
         "on": start_worker(
             queues["on"],
-            {"EXPLICIT_WORKER_METRICS_PORT": str(port), "EXPLICIT_METRICS_DIR": metrics_dir},
+            *("-n", f"{queues['on']}@%h"),
+            env={"EXPLICIT_WORKER_METRICS_PORT": str(port), "EXPLICIT_METRICS_DIR": metrics_dir},
         ),
-        "off": start_worker(queues["off"], {}),
+        "off": start_worker(queues["off"], "-n", f"{queues['off']}@%h"),
     }
     time.sleep(5)  # WARNING level prints no "ready": give both time to start
 
@@ -164,6 +150,7 @@ def main() -> None:
             worker.terminate()
         for worker in workers.values():
             worker.wait(30)
+    check_workers(*workers.values())
     served = [
         line
         for line in exposition.splitlines()
