@@ -58,18 +58,18 @@ def reset_rows() -> None:
 
 
 def start_worker(
-    queue: str, *more: str, env: dict[str, str] | None = None
+    queue: str, *more: str, extra_env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
     """A ``celery worker`` of the bench app on ``queue`` (prefork ``-c 2``, WARNING, no
     gossip, mingle or heartbeat), its output kept for ``check_workers``; ``more``: further options
-    before ``-Q`` (``-I module``); ``env``: further environment variables. WARNING level
-    prints no "ready": the caller waits."""
+    before ``-Q`` (``-I module``); ``extra_env``: further environment variables. WARNING
+    level prints no "ready": the caller waits."""
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "bench.settings",
         "EXPLICIT_TEST_DB_NAME": DB_NAME,
         "PYTHONPATH": str(ROOT),
-        **(env or {}),
+        **(extra_env or {}),
     }
     # fmt: off
     command = [

@@ -31,14 +31,7 @@ os.environ.setdefault("EXPLICIT_BENCH_BROKER_URL", "redis://127.0.0.1:6379/11")
 os.environ.setdefault("EXPLICIT_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 os.environ.setdefault("EXPLICIT_TEST_CACHE_URL", "redis://127.0.0.1:6379/10")
 
-from common import (
-    check_workers,
-    ratio_line,
-    reset_rows,
-    setup_django,
-    start_worker,
-    summary,
-)
+from common import check_workers, ratio_line, reset_rows, setup_django, start_worker, summary
 
 
 def free_port() -> int:
@@ -103,7 +96,10 @@ def main() -> None:
         "on": start_worker(
             queues["on"],
             *("-n", f"{queues['on']}@%h"),
-            env={"EXPLICIT_WORKER_METRICS_PORT": str(port), "EXPLICIT_METRICS_DIR": metrics_dir},
+            extra_env={
+                "EXPLICIT_WORKER_METRICS_PORT": str(port),
+                "EXPLICIT_METRICS_DIR": metrics_dir,
+            },
         ),
         "off": start_worker(queues["off"], "-n", f"{queues['off']}@%h"),
     }
