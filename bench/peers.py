@@ -14,7 +14,9 @@ in a transaction for one ``op_id``. Three parts, in one run:
    ExplicitTask; P1b (ExplicitTask / the hand-rolled guard, target >= 1.25) and its
    ceiling, the floor / the hand-rolled guard: the floor (``throughput.py``'s) sends
    the ExplicitTask's statements with none of our Python, so the ExplicitTask cannot
-   read much above it. The floor runs in this part only (a duplicate would fail its
+   read much above it; and the floor with its fence check but no lease call
+   (``bench.floor_update_fenced``): the ceiling with the lease carried inside writes
+   the worker makes anyway. The floors run in this part only (a duplicate would fail its
    claim, which it asserts).
 
     scripts/bench peers.py [--calls 2000] [--rounds 7] [--tasks 1000] [--trounds 3]
@@ -83,7 +85,12 @@ def main() -> None:
         once_update,
         singleton_update,
     )
-    from bench.benchapp.tasks import ExplicitUpdate, floor_update, plain_update
+    from bench.benchapp.tasks import (
+        ExplicitUpdate,
+        floor_update,
+        floor_update_fenced,
+        plain_update,
+    )
     from bench.celery_app import app
     from django_outbox.models import Attempt
 
@@ -109,7 +116,9 @@ def main() -> None:
     ]
     names = [name for name, _ in peers]
     floor_name = "the floor (its statements by hand)"
-    width = max(len(n) for n in [*names, floor_name]) + 2
+    fenced_name = "the floor, fenced, no lease call"
+    floors = [floor_name, fenced_name]
+    width = max(len(n) for n in [*names, *floors]) + 2
 
     # --- 1. publish cost, no worker --------------------------------------------------
     def publish(task: Any, n: int) -> float:
@@ -171,7 +180,7 @@ def main() -> None:
             time.sleep(0.05)
         time.sleep(seconds)
 
-    rates: dict[str, list[float]] = {n: [] for n in [*names, floor_name]}
+    rates: dict[str, list[float]] = {n: [] for n in [*names, *floors]}
     again: dict[str, tuple[str, str, int]] = {}
     try:
         time.sleep(4)  # WARNING level prints no "ready": give it time to start
@@ -211,7 +220,7 @@ def main() -> None:
                 time.sleep(0.01)
             return n / (time.perf_counter() - start)
 
-        timed = [*peers, (floor_name, floor_update)]
+        timed = [*peers, (floor_name, floor_update), (fenced_name, floor_update_fenced)]
         if args.trounds:
             for _, task in timed:
                 run(task, 200)  # warm-up: pool children, connections
@@ -256,7 +265,7 @@ def main() -> None:
     if args.trounds:
         print(f"\n3. throughput through the worker, {args.tasks} jobs x {args.trounds}")
         explicit = rates[names[1]]
-        for name in [*names, floor_name]:
+        for name in [*names, *floors]:
             ratios = [r / e for r, e in zip(rates[name], explicit, strict=True)]
             print(
                 f"{summary(name, rates[name])}   / ExplicitTask: {per_round(ratios)} "
@@ -266,6 +275,11 @@ def main() -> None:
         for label, side, note in (
             ("P1b ExplicitTask / hand-rolled", explicit, "target >= 1.25"),
             ("P1b's ceiling, the floor / hand-rolled", rates[floor_name], "none of our Python"),
+            (
+                "fenced, no lease call / hand-rolled",
+                rates[fenced_name],
+                "and a lease inside the worker's own writes",
+            ),
         ):
             print(ratio_line(label, [s / g for s, g in zip(side, guard, strict=True)], note))
 

@@ -17,11 +17,13 @@ with no Redis call from the pool process, the most that moving the lease into th
 worker's main process could buy; and a fifth, the floor with its lease taken and given
 back by the worker's main process (``MainLeaseRequest``: a blocking call each way in
 the main process's loop, the fence handed to the pool child in the request): what that
-move buys when the calls stay calls. ``--by-process`` also prints, for each
-side, the CPU µs a job spent in each process of the run (this publisher, the worker's
-main process, its pool children, PostgreSQL, Redis; medians of the rounds), read from
-/proc: where an end-to-end job's cost lands, beyond the pool child that
-``cpu_per_job.py`` measures.
+move buys when the calls stay calls; and a sixth, the floor with its fence check and no
+lease call from any process: the most a lease carried inside writes the worker makes
+anyway (the delivery's and the ack's scripts on the broker's Redis) could read.
+``--by-process`` also prints, for each side, the CPU µs a job spent in each process
+of the run (this publisher, the worker's main process, its pool children, PostgreSQL,
+Redis; medians of the rounds), read from /proc: where an end-to-end job's cost lands,
+beyond the pool child that ``cpu_per_job.py`` measures.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main() -> None:
     from bench.benchapp.tasks import (
         ExplicitUpdate,
         floor_update,
+        floor_update_fenced,
         floor_update_main_lease,
         floor_update_unleased,
         plain_update,
@@ -115,15 +118,17 @@ def main() -> None:
         floor: list[float] = []
         unleased: list[float] = []
         main_lease: list[float] = []
+        fenced: list[float] = []
         if args.floor:
             run(floor_update, 200, measured=False)
             run(floor_update_unleased, 200, measured=False)
             run(floor_update_main_lease, 200, measured=False)
+            run(floor_update_fenced, 200, measured=False)
         for r in range(args.rounds):
             order = [(plain_update, plain), (ExplicitUpdate(), explicit)]
             if args.floor:
                 order += [(floor_update, floor), (floor_update_unleased, unleased)]
-                order += [(floor_update_main_lease, main_lease)]
+                order += [(floor_update_main_lease, main_lease), (floor_update_fenced, fenced)]
             for task, rates in order if r % 2 == 0 else reversed(order):
                 rates.append(run(task, args.tasks))
     finally:
@@ -142,6 +147,7 @@ def main() -> None:
         print(ratio_line("P1a ExplicitTask / floor", over_floor, "target >= 0.93"))
         print(summary("floor without the execution lease", unleased))
         print(summary("floor, lease in the worker's main", main_lease))
+        print(summary("floor, fence check, no lease call", fenced))
         for label, side, against, meaning in (
             ("floor without lease / floor", unleased, floor,
              "the most no Redis call from the pool process could buy"),
@@ -149,6 +155,10 @@ def main() -> None:
              "P1's ceiling with the lease out of the pool process"),
             ("floor, lease in main / floor", main_lease, floor,
              "what moving the lease's calls to the main process buys"),
+            ("fenced, no lease call / floor", fenced, floor,
+             "the most a lease inside the delivery's and the ack's writes could buy"),
+            ("fenced, no lease call / plain", fenced, plain,
+             "P1's ceiling with such a lease and none of our Python"),
         ):  # fmt: skip
             ratios = [a / b for a, b in zip(side, against, strict=True)]
             print(ratio_line(label, ratios, meaning))

@@ -185,6 +185,15 @@ def _floor_keys(prefix: str, task_id: str) -> tuple[str, str, str]:
     return f"{prefix}run:{tag}", f"{prefix}run-held:{tag}", f"{prefix}run-fence:{tag}"
 
 
+@app.task(name="bench.floor_update_fenced", acks_late=True, bind=True)
+def floor_update_fenced(self: Any, row_id: int, op_id: str) -> None:
+    """The floor with its fence check at commit and no lease call from any process:
+    what a lease carried inside writes the worker makes anyway (the delivery's script
+    and the ack's, on the broker's Redis) could at most read, since it would add
+    those scripts' work but no round trip."""
+    _floor(self.request.id, row_id, op_id, leased=False, main_fence=1)
+
+
 @app.task(name="bench.floor_update_main_lease", acks_late=True, bind=True, Request=MainLeaseRequest)
 def floor_update_main_lease(self: Any, row_id: int, op_id: str) -> None:
     """The floor with its execution lease taken and released by the worker's main

@@ -43,6 +43,7 @@ def test_throughput_bench_runs_every_side_with_no_failed_job() -> None:
         "P1a ExplicitTask / floor",
         "floor without lease / floor",
         "floor, lease in main / floor",
+        "fenced, no lease call / floor",
     ):
         assert line in output, output
 
