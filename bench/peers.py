@@ -278,7 +278,7 @@ def main() -> None:
             (
                 "fenced, no lease call / hand-rolled",
                 rates[fenced_name],
-                "and a lease inside the worker's own writes",
+                "none of our Python, the lease inside the worker's own writes",
             ),
         ):
             print(ratio_line(label, [s / g for s, g in zip(side, guard, strict=True)], note))

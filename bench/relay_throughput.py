@@ -27,6 +27,14 @@ Also at the largest batch size, three references with no code of ours:
 - its claim and marks alone (no message built or sent). Their time added to kombu's
   batched publish gives P3b's ceiling: what the relay would read if its only cost
   beyond the baseline were the statements every relay of a table sends.
+- a relay of prepared messages, the ceiling of that design: each row carries the
+  message exactly as kombu's Redis transport pushes it (built and captured beforehand,
+  its delivery tag left as a placeholder), in a column the benchmark adds to its own
+  database's outbox table; the relay's claim returns that column, the bytes go out in
+  one pipeline of ``LPUSH`` with a fresh delivery tag each, the marks and COMMIT
+  follow. No Celery or kombu work per event, and none of ours: what storing each
+  event's message at write time could at most give the relay (the producer pays for
+  building it, in its own transaction).
 
     scripts/bench relay_throughput.py [--events 5000] [--rounds 3] [--batch-sizes 10,100,500]
     make bench-p3
@@ -231,6 +239,88 @@ def main() -> None:
             timestamp=int(sent_at),
         )
 
+    placeholder = "0" * 36  # a delivery tag's length: kombu's is a uuid4
+
+    def prepare() -> None:
+        """Store in each pending row the message kombu's Redis transport would push for
+        it, captured from the queue after a real batched publish (not timed)."""
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "ALTER TABLE django_outbox_event ADD COLUMN IF NOT EXISTS bench_prepared text"
+            )
+            cursor.execute(
+                "SELECT id, event_id::text, task_name, args, kwargs, headers "
+                "FROM django_outbox_event WHERE status = 'pending' ORDER BY id"
+            )
+            rows = cursor.fetchall()
+        broker.delete(queue)
+        with connected_producer() as producer, producer.batch(max_size=1000):
+            for _id, event_id, name, args_, kwargs, stored in rows:
+                message = app.amqp.create_task_message(
+                    event_id, name, json.loads(args_), json.loads(kwargs)
+                )
+                producer.publish(
+                    message.body,
+                    routing_key=queue,
+                    serializer="json",
+                    headers={**message.headers, **json.loads(stored),
+                             "explicit_published_via": "outbox"},
+                    **message.properties,
+                )  # fmt: skip
+        pushed = broker.lrange(queue, 0, -1)[::-1]  # LPUSH: the first is last
+        broker.delete(queue)
+        assert len(pushed) == len(rows), (len(pushed), len(rows))
+        payloads = []
+        for (id_, *_), raw in zip(rows, pushed, strict=True):
+            envelope = json.loads(raw)
+            envelope["properties"]["delivery_tag"] = placeholder
+            payloads.append((json.dumps(envelope), id_))
+        with connection.cursor() as cursor:
+            cursor.executemany(
+                "UPDATE django_outbox_event SET bench_prepared = %s WHERE id = %s", payloads
+            )
+
+    prepared_claim = CLAIM_POSTGRESQL[: CLAIM_POSTGRESQL.rindex("SELECT event.id,")] + (
+        "SELECT event.id, event.bench_prepared FROM django_outbox_event AS event "
+        "WHERE event.id = ANY(ARRAY(SELECT id FROM claimed)) ORDER BY event.id"
+    )
+
+    def prepared_rate(batch_size: int) -> float:
+        """Claim rows carrying their message, push the bytes, mark, commit."""
+        fill()
+        prepare()
+        vacuum()
+        broker.delete(queue)
+        published = 0
+        start = time.perf_counter()
+        while True:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(SORT_OFF)
+                cursor.execute(prepared_claim, {"limit": batch_size})
+                rows = cursor.fetchall()
+                cursor.execute(SORT_DEFAULT)
+                if not rows:
+                    break
+                pipe = broker.pipeline(transaction=False)
+                for _id, payload in rows:
+                    pipe.lpush(queue, payload.replace(placeholder, str(uuid.uuid4()), 1))
+                pipe.execute()
+                ids = ",".join(str(row[0]) for row in rows)
+                cursor.execute(
+                    "SET LOCAL synchronous_commit TO OFF; "
+                    "UPDATE django_outbox_event SET status = 'published', "
+                    "attempts = attempts + 1, published_at = statement_timestamp() "
+                    f"WHERE id = ANY('{{{ids}}}'::bigint[])"
+                )
+                published += len(rows)
+        elapsed = time.perf_counter() - start
+        assert published == n and broker.llen(queue) == n, (published, broker.llen(queue))
+        # What went out is a message a worker reads: kombu's envelope, a tag of its own.
+        first = json.loads(broker.lindex(queue, -1))
+        assert first["properties"]["delivery_tag"] != placeholder, first["properties"]
+        assert first["headers"]["task"] == task.name, first["headers"]
+        return n / elapsed
+
     def raw_rate(batched: bool) -> float:
         prepared = messages()
         broker.delete(queue)
@@ -263,8 +353,10 @@ def main() -> None:
     by_hand: list[float] = []
     celery_path: list[float] = []
     statements: list[float] = []
+    prepared: list[float] = []
     largest = max(batch_sizes)
     by_hand_rate(largest)  # warm-up
+    prepared_rate(largest)
     try:
         for _ in range(args.rounds):
             raw.append(raw_rate(False))
@@ -274,6 +366,7 @@ def main() -> None:
             by_hand.append(by_hand_rate(largest))
             celery_path.append(by_hand_rate(largest, celery_send=True))
             statements.append(by_hand_rate(largest, publish=False))
+            prepared.append(prepared_rate(largest))
     finally:
         broker.delete(queue)
         OutboxEvent.objects.all().delete()
@@ -314,6 +407,16 @@ def main() -> None:
     print(
         f"P3b's ceiling, kombu batched with the claim and marks added, per round: "
         f"{per_round(ceiling)} -> median {statistics.median(ceiling):.3f}"
+    )
+    vs_prepared = [p / k for p, k in zip(prepared, raw_batched, strict=True)]
+    print(
+        summary(f"prepared messages pushed, batch {largest}", prepared)
+        + f"   / kombu batched {statistics.median(vs_prepared):.3f}"
+        + f" (rounds {per_round(vs_prepared)})"
+    )
+    print(
+        f"P3b's ceiling for a relay of prepared messages, per round: {per_round(vs_prepared)}"
+        f" -> median {statistics.median(vs_prepared):.3f}"
     )
     print("target: relay / kombu Producer.batch() >= 0.8 at batch size 500")
 

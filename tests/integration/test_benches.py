@@ -60,7 +60,12 @@ def test_relay_bench_runs_its_references_by_hand() -> None:
         cwd=ROOT,
         env=BENCH_ENV,
     )
-    for line in ("relay, batch size 50", "a relay by hand", "its claim and marks alone"):
+    for line in (
+        "relay, batch size 50",
+        "a relay by hand",
+        "its claim and marks alone",
+        "prepared messages pushed",
+    ):
         assert line in output, output
 
 
