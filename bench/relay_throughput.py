@@ -33,8 +33,9 @@ Also at the largest batch size, three references with no code of ours:
   database's outbox table; the relay's claim returns that column, the bytes go out in
   one pipeline of ``LPUSH`` with a fresh delivery tag each, the marks and COMMIT
   follow. No Celery or kombu work per event, and none of ours: what storing each
-  event's message at write time could at most give the relay (the producer pays for
-  building it, in its own transaction).
+  event's message at write time could at most give the relay. The producer would pay
+  for building it in its own transaction: timed beside, the CPU an event costs
+  ``publish_event`` in ``atomic()``, alone and with the same message built.
 
     scripts/bench relay_throughput.py [--events 5000] [--rounds 3] [--batch-sizes 10,100,500]
     make bench-p3
@@ -69,11 +70,13 @@ def main() -> None:
     import redis
     from django.conf import settings as django_settings
     from django.db import connection, transaction
+    from kombu.utils.json import dumps
 
     from bench.benchapp.tasks import ExplicitUpdate
     from bench.celery_app import app
     from django_outbox.db.relay_sql import SORT_DEFAULT, SORT_OFF
     from django_outbox.models import OutboxEvent
+    from django_outbox.outbox.events import publish_event
     from django_outbox.outbox.relay.claim import CLAIM_POSTGRESQL
     from django_outbox.outbox.relay.loop import Relay
 
@@ -241,6 +244,41 @@ def main() -> None:
 
     placeholder = "0" * 36  # a delivery tag's length: kombu's is a uuid4
 
+    def envelope(channel: Any, producer: Any, event_id: str, kwargs: Any, stored: Any) -> str:
+        """The message kombu's Redis transport pushes for one event, built by the calls
+        its ``publish`` makes (``_prepare``, ``prepare_message``, the channel's
+        ``_inplace_augment_message``, ``dumps``), its delivery tag the placeholder."""
+        message = app.amqp.create_task_message(event_id, task.name, (), kwargs)
+        headers = {**message.headers, **stored, "explicit_published_via": "outbox"}
+        body, content_type, encoding = producer._prepare(
+            message.body, "json", None, None, None, headers
+        )
+        built = channel.prepare_message(
+            body, 0, content_type, encoding, headers,
+            {**message.properties, "delivery_mode": 2},  # kombu's default: persistent
+        )  # fmt: skip
+        channel._inplace_augment_message(built, "", queue)
+        built["properties"]["delivery_tag"] = placeholder
+        return dumps(built)  # type: ignore[no-any-return]
+
+    def write_rate(prepared: bool) -> float:
+        """CPU µs an event costs the producer's transaction: ``publish_event`` in
+        ``atomic()``, and with each event's message built as well (``prepared``)."""
+        with app.connection_for_write() as conn:
+            channel = conn.default_channel
+            producer = conn.Producer(channel, auto_declare=False)
+            start = time.process_time()
+            with transaction.atomic():
+                for i in range(n):
+                    kwargs = {"row_id": i % 100, "op_id": uuid.uuid4().hex}
+                    event = publish_event(task.name, kwargs)
+                    if prepared:
+                        stored = {"idempotency_key": f"bench:{kwargs['op_id']}"}
+                        envelope(channel, producer, str(event), kwargs, stored)
+            spent = (time.process_time() - start) / n * 1e6
+        OutboxEvent.objects.all().delete()
+        return spent
+
     def prepare() -> None:
         """Store in each pending row the message kombu's Redis transport would push for
         it, captured from the queue after a real batched publish (not timed)."""
@@ -272,9 +310,17 @@ def main() -> None:
         assert len(pushed) == len(rows), (len(pushed), len(rows))
         payloads = []
         for (id_, *_), raw in zip(rows, pushed, strict=True):
-            envelope = json.loads(raw)
-            envelope["properties"]["delivery_tag"] = placeholder
-            payloads.append((json.dumps(envelope), id_))
+            captured = json.loads(raw)
+            captured["properties"]["delivery_tag"] = placeholder
+            payloads.append((json.dumps(captured), id_))
+        # The producer's price (write_rate) is timed with envelope(): the same message.
+        with app.connection_for_write() as conn:
+            channel = conn.default_channel
+            producer = conn.Producer(channel, auto_declare=False)
+            _id, event_id, _name, _args, kwargs, stored = rows[0]
+            built = envelope(channel, producer, event_id, json.loads(kwargs), json.loads(stored))
+        first = json.loads(payloads[0][0])
+        assert json.loads(built) == first, (built, first)
         with connection.cursor() as cursor:
             cursor.executemany(
                 "UPDATE django_outbox_event SET bench_prepared = %s WHERE id = %s", payloads
@@ -354,6 +400,8 @@ def main() -> None:
     celery_path: list[float] = []
     statements: list[float] = []
     prepared: list[float] = []
+    writes: list[float] = []
+    writes_prepared: list[float] = []
     largest = max(batch_sizes)
     by_hand_rate(largest)  # warm-up
     prepared_rate(largest)
@@ -367,6 +415,8 @@ def main() -> None:
             celery_path.append(by_hand_rate(largest, celery_send=True))
             statements.append(by_hand_rate(largest, publish=False))
             prepared.append(prepared_rate(largest))
+            writes.append(write_rate(False))
+            writes_prepared.append(write_rate(True))
     finally:
         broker.delete(queue)
         OutboxEvent.objects.all().delete()
@@ -417,6 +467,13 @@ def main() -> None:
     print(
         f"P3b's ceiling for a relay of prepared messages, per round: {per_round(vs_prepared)}"
         f" -> median {statistics.median(vs_prepared):.3f}"
+    )
+    priced = [w / p for w, p in zip(writes_prepared, writes, strict=True)]
+    print(
+        f"the producer's price, CPU µs an event written in its transaction: "
+        f"{statistics.median(writes):.0f}, with its message built "
+        f"{statistics.median(writes_prepared):.0f} (per round x {per_round(priced)} "
+        f"-> median {statistics.median(priced):.2f})"
     )
     print("target: relay / kombu Producer.batch() >= 0.8 at batch size 500")
 
