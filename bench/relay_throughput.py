@@ -142,6 +142,31 @@ def main() -> None:
             broker.delete(queue)
             yield producer
 
+    def claim_rows(cursor: Any, sql: str, batch_size: int) -> list[Any]:
+        """One batch's claim, planned as the relay plans it (sorts off)."""
+        cursor.execute(SORT_OFF)
+        cursor.execute(sql, {"limit": batch_size})
+        rows = cursor.fetchall()
+        cursor.execute(SORT_DEFAULT)
+        return rows  # type: ignore[no-any-return]
+
+    def mark_published(cursor: Any, rows: list[Any]) -> None:
+        """The relay's marks of one batch, by the ids in each row's first column."""
+        ids = ",".join(str(row[0]) for row in rows)
+        cursor.execute(
+            "SET LOCAL synchronous_commit TO OFF; "
+            "UPDATE django_outbox_event SET status = 'published', "
+            "attempts = attempts + 1, published_at = statement_timestamp() "
+            f"WHERE id = ANY('{{{ids}}}'::bigint[])"
+        )
+
+    @contextlib.contextmanager
+    def kombu_channel() -> Iterator[tuple[Any, Any]]:
+        """A channel and producer to build kombu's envelopes with (nothing published)."""
+        with app.connection_for_write() as conn:
+            channel = conn.default_channel
+            yield channel, conn.Producer(channel, auto_declare=False)
+
     def by_hand_rate(batch_size: int, *, publish: bool = True, celery_send: bool = False) -> float:
         """Claim, build, publish in one pipeline, mark, commit: no code of ours.
         ``publish=False``: the claim and the marks alone. ``celery_send``: the reprs
@@ -153,11 +178,7 @@ def main() -> None:
             start = time.perf_counter()
             while True:
                 with transaction.atomic(), connection.cursor() as cursor:
-                    # The relay's claim, planned as the relay plans it (sorts off).
-                    cursor.execute(SORT_OFF)
-                    cursor.execute(CLAIM_POSTGRESQL, {"limit": batch_size})
-                    rows = cursor.fetchall()
-                    cursor.execute(SORT_DEFAULT)
+                    rows = claim_rows(cursor, CLAIM_POSTGRESQL, batch_size)
                     if not rows:
                         break
                     if publish:
@@ -197,13 +218,7 @@ def main() -> None:
                                     },
                                     **{**message.properties, "timestamp": int(sent_at)},
                                 )
-                    ids = ",".join(str(row[0]) for row in rows)
-                    cursor.execute(
-                        "SET LOCAL synchronous_commit TO OFF; "
-                        "UPDATE django_outbox_event SET status = 'published', "
-                        "attempts = attempts + 1, published_at = statement_timestamp() "
-                        f"WHERE id = ANY('{{{ids}}}'::bigint[])"
-                    )
+                    mark_published(cursor, rows)
                     published += len(rows)
             elapsed = time.perf_counter() - start
         sent = broker.llen(queue)
@@ -264,9 +279,7 @@ def main() -> None:
     def write_rate(prepared: bool) -> float:
         """CPU µs an event costs the producer's transaction: ``publish_event`` in
         ``atomic()``, and with each event's message built as well (``prepared``)."""
-        with app.connection_for_write() as conn:
-            channel = conn.default_channel
-            producer = conn.Producer(channel, auto_declare=False)
+        with kombu_channel() as (channel, producer):
             start = time.process_time()
             with transaction.atomic():
                 for i in range(n):
@@ -314,9 +327,7 @@ def main() -> None:
             captured["properties"]["delivery_tag"] = placeholder
             payloads.append((json.dumps(captured), id_))
         # The producer's price (write_rate) is timed with envelope(): the same message.
-        with app.connection_for_write() as conn:
-            channel = conn.default_channel
-            producer = conn.Producer(channel, auto_declare=False)
+        with kombu_channel() as (channel, producer):
             _id, event_id, _name, _args, kwargs, stored = rows[0]
             built = envelope(channel, producer, event_id, json.loads(kwargs), json.loads(stored))
         first = json.loads(payloads[0][0])
@@ -341,23 +352,14 @@ def main() -> None:
         start = time.perf_counter()
         while True:
             with transaction.atomic(), connection.cursor() as cursor:
-                cursor.execute(SORT_OFF)
-                cursor.execute(prepared_claim, {"limit": batch_size})
-                rows = cursor.fetchall()
-                cursor.execute(SORT_DEFAULT)
+                rows = claim_rows(cursor, prepared_claim, batch_size)
                 if not rows:
                     break
                 pipe = broker.pipeline(transaction=False)
                 for _id, payload in rows:
                     pipe.lpush(queue, payload.replace(placeholder, str(uuid.uuid4()), 1))
                 pipe.execute()
-                ids = ",".join(str(row[0]) for row in rows)
-                cursor.execute(
-                    "SET LOCAL synchronous_commit TO OFF; "
-                    "UPDATE django_outbox_event SET status = 'published', "
-                    "attempts = attempts + 1, published_at = statement_timestamp() "
-                    f"WHERE id = ANY('{{{ids}}}'::bigint[])"
-                )
+                mark_published(cursor, rows)
                 published += len(rows)
         elapsed = time.perf_counter() - start
         assert published == n and broker.llen(queue) == n, (published, broker.llen(queue))
