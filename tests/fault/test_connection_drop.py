@@ -12,8 +12,12 @@ cannot extend anything, its consumer reconnects when the proxy lets it.
   applied exactly once, with nothing left on the broker.
 
 The negative control is the short cut with the heartbeat off on A
-(``EXPLICIT_LEASE_EXTEND=0``): the lease runs out mid-job and B starts it again, so
-the rounds can see a second start when there is one.
+(``EXPLICIT_LEASE_EXTEND=0``): the lease runs out mid-job and the job is started again,
+so the rounds can see a second start when there is one. Every round of it shows one,
+and some a third: the sweep's copy goes to whichever consumer asks first, A's own as
+often as B's (the ``pids`` of the starts show it, about half the rounds); A holds it
+prefetched behind its running job, unextended as well, so it runs out again and B
+starts it once more. The job is applied once either way.
 """
 
 from __future__ import annotations
@@ -99,6 +103,8 @@ def one_round(
         time.sleep(1)
         result = {
             "starts": started_client.llen(f"started:{op}"),
+            "pids": [int(x) for x in started_client.lrange(f"started:{op}", 0, -1)],
+            "spans": [x.decode() for x in started_client.lrange(f"spans:{op}", 0, -1)],
             "effect": Counter.objects.get(name=op).value,
             "closed": closed,
             "a_alive": a.alive(),
@@ -113,7 +119,7 @@ def one_round(
 
 @pytest.mark.parametrize(
     ("cut", "lease_extend", "starts"),
-    [(3.0, "1", {1}), (13.0, "1", {1, 2}), (3.0, "0", {2})],
+    [(3.0, "1", {1}), (13.0, "1", {1, 2}), (3.0, "0", {2, 3})],
     ids=["cut-shorter-than-the-lease", "cut-longer-than-the-lease", "negative-control"],
 )
 def test_a_worker_cut_off_from_redis_mid_job_applies_it_once(
@@ -125,5 +131,5 @@ def test_a_worker_cut_off_from_redis_mid_job_applies_it_once(
     assert all(r["closed"] for r in results)  # the cut met open connections
     assert [r["effect"] for r in results] == [1] * ROUNDS
     assert {r["starts"] for r in results} <= starts
-    if starts == {2}:
-        assert {r["starts"] for r in results} == {2}
+    if lease_extend == "0":
+        assert min(r["starts"] for r in results) >= 2  # every round ran it again
