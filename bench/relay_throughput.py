@@ -27,15 +27,11 @@ Also at the largest batch size, three references with no code of ours:
 - its claim and marks alone (no message built or sent). Their time added to kombu's
   batched publish gives P3b's ceiling: what the relay would read if its only cost
   beyond the baseline were the statements every relay of a table sends.
-- a relay of prepared messages, the ceiling of that design: each row carries the
-  message exactly as kombu's Redis transport pushes it (built and captured beforehand,
-  its delivery tag left as a placeholder), in a column the benchmark adds to its own
-  database's outbox table; the relay's claim returns that column, the bytes go out in
-  one pipeline of ``LPUSH`` with a fresh delivery tag each, the marks and COMMIT
-  follow. No Celery or kombu work per event, and none of ours: what storing each
-  event's message at write time could at most give the relay. The producer would pay
-  for building it in its own transaction: timed beside, the CPU an event costs
-  ``publish_event`` in ``atomic()``, alone and with the same message built.
+- the relay with ``EXPLICIT_OUTBOX_PREPARED_MESSAGES`` on: each row carries its broker
+  message, built by ``publish_event`` when it was written
+  (``django_outbox.outbox.prepared``); ``Relay.drain()`` claims, pushes the stored
+  bytes in one pipeline, marks and commits. Its price is the writer's: timed beside,
+  the CPU an event costs ``publish_event`` in ``atomic()``, with the setting off and on.
 
     scripts/bench relay_throughput.py [--events 5000] [--rounds 3] [--batch-sizes 10,100,500]
     make bench-p3
@@ -70,7 +66,7 @@ def main() -> None:
     import redis
     from django.conf import settings as django_settings
     from django.db import connection, transaction
-    from kombu.utils.json import dumps
+    from django.test import override_settings
 
     from bench.benchapp.tasks import ExplicitUpdate
     from bench.celery_app import app
@@ -84,9 +80,17 @@ def main() -> None:
     broker = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)
     n = args.events
 
-    def fill() -> None:
+    def fill(prepared: bool = False) -> None:
         OutboxEvent.objects.all().delete()
         vacuum()  # each round starts without the last round's dead rows
+        if prepared:
+            # Written by the writer itself, with the setting on (not timed).
+            with override_settings(EXPLICIT_OUTBOX_PREPARED_MESSAGES=True), transaction.atomic():
+                for i in range(n):
+                    publish_event(task.name, {"row_id": i % 100, "op_id": uuid.uuid4().hex})
+            assert not OutboxEvent.objects.filter(message="").exists(), "every row prepared"
+            vacuum()
+            return
         OutboxEvent.objects.bulk_create(
             OutboxEvent(
                 task_name=task.name,
@@ -99,8 +103,8 @@ def main() -> None:
             for i in range(n)
         )
 
-    def relay_rate(batch_size: int) -> float:
-        fill()
+    def relay_rate(batch_size: int, prepared: bool = False) -> float:
+        fill(prepared)
         broker.delete(queue)
         relay = Relay(batch_size=batch_size, notify_channel="")
         start = time.perf_counter()
@@ -160,13 +164,6 @@ def main() -> None:
             f"WHERE id = ANY('{{{ids}}}'::bigint[])"
         )
 
-    @contextlib.contextmanager
-    def kombu_channel() -> Iterator[tuple[Any, Any]]:
-        """A channel and producer to build kombu's envelopes with (nothing published)."""
-        with app.connection_for_write() as conn:
-            channel = conn.default_channel
-            yield channel, conn.Producer(channel, auto_declare=False)
-
     def by_hand_rate(batch_size: int, *, publish: bool = True, celery_send: bool = False) -> float:
         """Claim, build, publish in one pipeline, mark, commit: no code of ours.
         ``publish=False``: the claim and the marks alone. ``celery_send``: the reprs
@@ -183,7 +180,7 @@ def main() -> None:
                         break
                     if publish:
                         with producer.batch(max_size=2 * len(rows) + 1):
-                            for _id, event_id, name, args_, kwargs, stored, _o, _k, _a, _c in rows:
+                            for _id, event_id, name, args_, kwargs, stored, *_rest in rows:
                                 # Django reads jsonb as text (JSONField decodes it).
                                 headers = json.loads(stored)
                                 args_, kwargs = json.loads(args_), json.loads(kwargs)
@@ -257,117 +254,18 @@ def main() -> None:
             timestamp=int(sent_at),
         )
 
-    placeholder = "0" * 36  # a delivery tag's length: kombu's is a uuid4
-
-    def envelope(channel: Any, producer: Any, event_id: str, kwargs: Any, stored: Any) -> str:
-        """The message kombu's Redis transport pushes for one event, built by the calls
-        its ``publish`` makes (``_prepare``, ``prepare_message``, the channel's
-        ``_inplace_augment_message``, ``dumps``), its delivery tag the placeholder."""
-        message = app.amqp.create_task_message(event_id, task.name, (), kwargs)
-        headers = {**message.headers, **stored, "explicit_published_via": "outbox"}
-        body, content_type, encoding = producer._prepare(
-            message.body, "json", None, None, None, headers
-        )
-        built = channel.prepare_message(
-            body, 0, content_type, encoding, headers,
-            {**message.properties, "delivery_mode": 2},  # kombu's default: persistent
-        )  # fmt: skip
-        channel._inplace_augment_message(built, "", queue)
-        built["properties"]["delivery_tag"] = placeholder
-        return dumps(built)  # type: ignore[no-any-return]
-
     def write_rate(prepared: bool) -> float:
-        """CPU µs an event costs the producer's transaction: ``publish_event`` in
-        ``atomic()``, and with each event's message built as well (``prepared``)."""
-        with kombu_channel() as (channel, producer):
+        """CPU µs an event costs the writer's transaction: ``publish_event`` in
+        ``atomic()``, with ``EXPLICIT_OUTBOX_PREPARED_MESSAGES`` off or on."""
+        with override_settings(EXPLICIT_OUTBOX_PREPARED_MESSAGES=prepared):
             start = time.process_time()
             with transaction.atomic():
                 for i in range(n):
-                    kwargs = {"row_id": i % 100, "op_id": uuid.uuid4().hex}
-                    event = publish_event(task.name, kwargs)
-                    if prepared:
-                        stored = {"idempotency_key": f"bench:{kwargs['op_id']}"}
-                        envelope(channel, producer, str(event), kwargs, stored)
+                    publish_event(task.name, {"row_id": i % 100, "op_id": uuid.uuid4().hex})
             spent = (time.process_time() - start) / n * 1e6
+        assert OutboxEvent.objects.filter(message="").exists() is not prepared
         OutboxEvent.objects.all().delete()
         return spent
-
-    def prepare() -> None:
-        """Store in each pending row the message kombu's Redis transport would push for
-        it, captured from the queue after a real batched publish (not timed)."""
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "ALTER TABLE django_outbox_event ADD COLUMN IF NOT EXISTS bench_prepared text"
-            )
-            cursor.execute(
-                "SELECT id, event_id::text, task_name, args, kwargs, headers "
-                "FROM django_outbox_event WHERE status = 'pending' ORDER BY id"
-            )
-            rows = cursor.fetchall()
-        broker.delete(queue)
-        with connected_producer() as producer, producer.batch(max_size=1000):
-            for _id, event_id, name, args_, kwargs, stored in rows:
-                message = app.amqp.create_task_message(
-                    event_id, name, json.loads(args_), json.loads(kwargs)
-                )
-                producer.publish(
-                    message.body,
-                    routing_key=queue,
-                    serializer="json",
-                    headers={**message.headers, **json.loads(stored),
-                             "explicit_published_via": "outbox"},
-                    **message.properties,
-                )  # fmt: skip
-        pushed = broker.lrange(queue, 0, -1)[::-1]  # LPUSH: the first is last
-        broker.delete(queue)
-        assert len(pushed) == len(rows), (len(pushed), len(rows))
-        payloads = []
-        for (id_, *_), raw in zip(rows, pushed, strict=True):
-            captured = json.loads(raw)
-            captured["properties"]["delivery_tag"] = placeholder
-            payloads.append((json.dumps(captured), id_))
-        # The producer's price (write_rate) is timed with envelope(): the same message.
-        with kombu_channel() as (channel, producer):
-            _id, event_id, _name, _args, kwargs, stored = rows[0]
-            built = envelope(channel, producer, event_id, json.loads(kwargs), json.loads(stored))
-        first = json.loads(payloads[0][0])
-        assert json.loads(built) == first, (built, first)
-        with connection.cursor() as cursor:
-            cursor.executemany(
-                "UPDATE django_outbox_event SET bench_prepared = %s WHERE id = %s", payloads
-            )
-
-    prepared_claim = CLAIM_POSTGRESQL[: CLAIM_POSTGRESQL.rindex("SELECT event.id,")] + (
-        "SELECT event.id, event.bench_prepared FROM django_outbox_event AS event "
-        "WHERE event.id = ANY(ARRAY(SELECT id FROM claimed)) ORDER BY event.id"
-    )
-
-    def prepared_rate(batch_size: int) -> float:
-        """Claim rows carrying their message, push the bytes, mark, commit."""
-        fill()
-        prepare()
-        vacuum()
-        broker.delete(queue)
-        published = 0
-        start = time.perf_counter()
-        while True:
-            with transaction.atomic(), connection.cursor() as cursor:
-                rows = claim_rows(cursor, prepared_claim, batch_size)
-                if not rows:
-                    break
-                pipe = broker.pipeline(transaction=False)
-                for _id, payload in rows:
-                    pipe.lpush(queue, payload.replace(placeholder, str(uuid.uuid4()), 1))
-                pipe.execute()
-                mark_published(cursor, rows)
-                published += len(rows)
-        elapsed = time.perf_counter() - start
-        assert published == n and broker.llen(queue) == n, (published, broker.llen(queue))
-        # What went out is a message a worker reads: kombu's envelope, a tag of its own.
-        first = json.loads(broker.lindex(queue, -1))
-        assert first["properties"]["delivery_tag"] != placeholder, first["properties"]
-        assert first["headers"]["task"] == task.name, first["headers"]
-        return n / elapsed
 
     def raw_rate(batched: bool) -> float:
         prepared = messages()
@@ -406,7 +304,7 @@ def main() -> None:
     writes_prepared: list[float] = []
     largest = max(batch_sizes)
     by_hand_rate(largest)  # warm-up
-    prepared_rate(largest)
+    relay_rate(largest, prepared=True)
     try:
         for _ in range(args.rounds):
             raw.append(raw_rate(False))
@@ -416,7 +314,7 @@ def main() -> None:
             by_hand.append(by_hand_rate(largest))
             celery_path.append(by_hand_rate(largest, celery_send=True))
             statements.append(by_hand_rate(largest, publish=False))
-            prepared.append(prepared_rate(largest))
+            prepared.append(relay_rate(largest, prepared=True))
             writes.append(write_rate(False))
             writes_prepared.append(write_rate(True))
     finally:
@@ -462,18 +360,14 @@ def main() -> None:
     )
     vs_prepared = [p / k for p, k in zip(prepared, raw_batched, strict=True)]
     print(
-        summary(f"prepared messages pushed, batch {largest}", prepared)
+        summary(f"relay, prepared messages, batch size {largest}", prepared)
         + f"   / kombu batched {statistics.median(vs_prepared):.3f}"
         + f" (rounds {per_round(vs_prepared)})"
     )
-    print(
-        f"P3b's ceiling for a relay of prepared messages, per round: {per_round(vs_prepared)}"
-        f" -> median {statistics.median(vs_prepared):.3f}"
-    )
     priced = [w / p for w, p in zip(writes_prepared, writes, strict=True)]
     print(
-        f"the producer's price, CPU µs an event written in its transaction: "
-        f"{statistics.median(writes):.0f}, with its message built "
+        f"the writer's price, CPU µs an event written in its transaction: "
+        f"{statistics.median(writes):.0f}, with its message prepared "
         f"{statistics.median(writes_prepared):.0f} (per round x {per_round(priced)} "
         f"-> median {statistics.median(priced):.2f})"
     )

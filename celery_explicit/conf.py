@@ -112,6 +112,12 @@ class Settings:
     #: COMMIT (three round trips a batch, not five). Off: every statement through
     #: Django's cursor.
     outbox_relay_round_trips: Setting[bool] = Setting(True, flag)
+    #: Redis broker: each outbox event's broker message is built when the event is
+    #: written, in the writer's transaction, and stored on its row; the relay pushes
+    #: those bytes instead of building each message (``django_outbox.outbox.prepared``).
+    #: The relay publishes about three times as many events a second; the writer spends
+    #: about twice the CPU an event. Off: the relay builds every message.
+    outbox_prepared_messages: Setting[bool] = Setting(False, flag)
     #: Seconds an idle relay waits before looking again (with LISTEN/NOTIFY a commit
     #: wakes it at once; without, this is the publish lag).
     outbox_poll_interval: Setting[float] = Setting(1.0, number, above=0)

@@ -349,6 +349,21 @@ class OutboxEvent(models.Model):
         default=0, db_default=0, help_text="published again: no worker had received it"
     )
 
+    # django_outbox.outbox.prepared (EXPLICIT_OUTBOX_PREPARED_MESSAGES): the broker
+    # message built when the row was written, and its layout and writer; "" when the
+    # relay builds it. db_default: rows a writer of another version inserts with SQL
+    # naming neither column.
+    message = models.TextField(
+        blank=True, default="", db_default="", help_text="the prepared broker message, if any"
+    )
+    message_format = models.CharField(
+        max_length=100,
+        blank=True,
+        default="",
+        db_default="",
+        help_text="the prepared message's layout and the version that wrote it",
+    )
+
     objects = OutboxEventQuerySet.as_manager()
 
     class Meta:

@@ -7,7 +7,8 @@
   a task class nobody registered
 - ``broker``: E003, W001 and W002 the Redis broker's visibility timeout and restore
   sweep against a task's lease and retries, W003 no broker URL, W011 RabbitMQ's
-  ``consumer_timeout``, W014 RabbitMQ without publisher confirms
+  ``consumer_timeout``, W014 RabbitMQ without publisher confirms, E009 prepared outbox
+  messages on a broker other than Redis
 - ``configuration``: E006/E007/E008 a setting outside its rule, unreadable, or against
   another; W013 an ``EXPLICIT_*`` setting nothing reads; E005 the ledger's database;
   W005 Celery or kombu outside the tested ranges

@@ -15,6 +15,8 @@ transport defaults.
 - W011 RabbitMQ: a task's lease or retry delay is as long as ``consumer_timeout``
 - W014 RabbitMQ without publisher confirms: a relayed event is marked published, and a
   retry's or deferral's message acked away, on the broker's silence
+- E009 ``EXPLICIT_OUTBOX_PREPARED_MESSAGES`` on a broker other than Redis: the stored
+  messages are kombu's Redis envelope, which no other transport reads
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "RABBITMQ_URL_SCHEMES",
     "check_broker_url",
     "check_confirms",
+    "check_prepared_messages",
     "check_consumer_timeout",
     "check_visibility",
     "redis_sweep",
@@ -125,6 +128,26 @@ def check_confirms(app: Any, tasks: list[Any]) -> list[checks.CheckMessage]:
             hint="Set CELERY_BROKER_TRANSPORT_OPTIONS = {'confirm_publish': True} "
             "(each publish then waits for the broker's confirm).",
             id="django_outbox.W014",
+        )
+    ]
+
+
+def check_prepared_messages(app: Any) -> list[checks.CheckMessage]:
+    """E009: a prepared message (``django_outbox.outbox.prepared``) is the bytes kombu's
+    Redis transport pushes; with another broker the writer would store none and spend
+    nothing, so the setting would say what is not happening."""
+    url = str(app.conf.broker_url or "")
+    if not settings.outbox_prepared_messages or url.startswith(REDIS_URL_SCHEMES):
+        return []
+    scheme = url.split("://", 1)[0] if "://" in url else "none"
+    return [
+        checks.Error(
+            f"EXPLICIT_OUTBOX_PREPARED_MESSAGES is on, and Celery app {app.main!r} has a "
+            f"{scheme!r} broker: prepared messages are kombu's Redis envelope, for a "
+            "Redis broker only",
+            hint="Set EXPLICIT_OUTBOX_PREPARED_MESSAGES = False (the relay then builds "
+            "every message), or use a Redis broker.",
+            id="django_outbox.E009",
         )
     ]
 

@@ -59,6 +59,7 @@ def check_celery_configuration(
     errors += broker.check_visibility(app, tasks)
     errors += broker.check_consumer_timeout(app, tasks)
     errors += broker.check_confirms(app, tasks)
+    errors += broker.check_prepared_messages(app)
     errors += _check_soft_shutdown(app, tasks)
     errors += broker.check_broker_url(app, tasks)
     errors += _check_unregistered(app)

@@ -36,7 +36,7 @@ ORDERING_LOCK = "SELECT pg_advisory_xact_lock(%s, hashtext(%s))"
 
 # INSERT_EVENT - one pending outbox row
 # %s event_id, task_name, args, kwargs, headers, options (JSON text each), ordering_key,
-#    status ('pending')
+#    status ('pending'), message, message_format (prepared messages: '' and '' if none)
 # returns nothing (or NOTIFY_RETURNING's row, when that is appended)
 # locks nothing but the new row
 # created_at and available_at take the database's clock (their db_default): the claim
@@ -45,8 +45,8 @@ ORDERING_LOCK = "SELECT pg_advisory_xact_lock(%s, hashtext(%s))"
 # round trips as the ledger's claim.
 INSERT_EVENT = (
     "INSERT INTO django_outbox_event (event_id, task_name, args, kwargs, headers, options, "
-    "ordering_key, status, attempts, last_error) "
-    "VALUES (%s, %s, %s::jsonb, %s::jsonb, %s::jsonb, %s::jsonb, %s, %s, 0, '')"
+    "ordering_key, status, attempts, last_error, message, message_format) "
+    "VALUES (%s, %s, %s::jsonb, %s::jsonb, %s::jsonb, %s::jsonb, %s, %s, 0, '', %s, %s)"
 )
 
 # NOTIFY_RETURNING - appended to INSERT_EVENT: the NOTIFY rides on the insert

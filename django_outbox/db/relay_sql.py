@@ -80,7 +80,7 @@ WITH claimed AS MATERIALIZED (
 )
 SELECT event.id, event.event_id::text, event.task_name, event.args, event.kwargs,
        event.headers, event.options, event.ordering_key, event.attempts,
-       extract(epoch FROM event.created_at)::float8
+       extract(epoch FROM event.created_at)::float8, event.message, event.message_format
 FROM django_outbox_event AS event
 WHERE event.id = ANY(ARRAY(SELECT id FROM claimed))
 ORDER BY event.id
@@ -150,7 +150,7 @@ claimed AS MATERIALIZED (
 )
 SELECT event.id, event.event_id::text, event.task_name, event.args, event.kwargs,
        event.headers, event.options, event.ordering_key, event.attempts,
-       extract(epoch FROM event.created_at)::float8
+       extract(epoch FROM event.created_at)::float8, event.message, event.message_format
 FROM django_outbox_event AS event
 WHERE event.id = ANY(ARRAY(SELECT id FROM claimed))
 ORDER BY event.id
@@ -178,7 +178,7 @@ WITH claimed AS (
 )
 SELECT event.id, event.event_id, event.task_name, event.args, event.kwargs,
        event.headers, event.options, event.ordering_key, event.attempts,
-       event.created_at
+       event.created_at, event.message, event.message_format
 FROM django_outbox_event AS event
 WHERE event.id IN (SELECT id FROM claimed)
 ORDER BY event.id

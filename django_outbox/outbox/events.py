@@ -48,12 +48,15 @@ from celery import Task
 from django.db import connections
 from django.db.transaction import TransactionManagementError
 
-from celery_explicit import correlation, keys, tracing
-from celery_explicit.errors import BadInput
+from celery_explicit import correlation, job_log, keys, tracing
+from celery_explicit.errors import BadInput, qualname
 from celery_explicit.headers import CORRELATION_HEADER, KEY_HEADER
 from django_outbox.conf import settings
 from django_outbox.db import outbox_sql
 from django_outbox.models import OutboxEvent, OutboxStatus
+from django_outbox.outbox import prepared
+
+logger = job_log.get_logger("django_outbox.outbox.events")
 
 #: Publish options an outbox row may carry. Anything relative to the moment of the
 #: call (countdown, eta, expires) would be measured from the relay's publish instead,
@@ -154,6 +157,9 @@ def write(
     event_id = uuid.uuid4()
     # The trace context goes into the stored headers: the relay continues it later.
     with tracing.outbox_write(task_name, str(event_id), idempotency_key, all_headers):
+        message = _prepared(
+            task_name, str(event_id), stored_args, stored_kwargs, all_headers, stored_options
+        )
         if connection.vendor == "postgresql":
             _insert_postgresql(
                 connection,
@@ -161,6 +167,7 @@ def write(
                 task_name=task_name,
                 json_fields=[stored_args, stored_kwargs, all_headers, stored_options],
                 ordering_key=ordering_key,
+                message=message,
             )
         else:
             OutboxEvent.objects.using(alias).create(
@@ -171,8 +178,42 @@ def write(
                 headers=all_headers,
                 options=stored_options,
                 ordering_key=ordering_key,
+                message=message.message if message else "",
+                message_format=message.format if message else "",
             )
     return str(event_id)
+
+
+def _prepared(
+    task_name: str,
+    event_id: str,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    headers: dict[str, Any],
+    options: dict[str, Any],
+) -> prepared.Prepared | None:
+    """The event's prepared message (``EXPLICIT_OUTBOX_PREPARED_MESSAGES``), or None: the
+    relay builds it from the row, as it does without the setting."""
+    if not settings.outbox_prepared_messages:
+        return None
+    task = _registered_task(task_name)
+    if task is None:
+        return None
+    try:
+        return prepared.prepare(task, event_id, tuple(args), kwargs, headers, options)
+    except Exception as exc:
+        # The row is written either way, and its columns are the event: a message that
+        # cannot be built here (a queue this process does not declare) is the relay's
+        # to build, or to refuse with the event's dead letter, as without the setting.
+        logger.warning(
+            "outbox event %s (%s): no prepared message stored, the relay builds it: %s: %s",
+            event_id,
+            task_name,
+            qualname(exc),
+            exc,
+            extra={"task": task_name, "job_id": event_id, "layer": "delivery"},
+        )
+        return None
 
 
 def _insert_postgresql(
@@ -182,6 +223,7 @@ def _insert_postgresql(
     task_name: str,
     json_fields: list[Any],
     ordering_key: str,
+    message: prepared.Prepared | None,
 ) -> None:
     """The row, its NOTIFY and (with a key) its lock: one statement, or two with a key.
 
@@ -201,6 +243,8 @@ def _insert_postgresql(
             *[json.dumps(value) for value in json_fields],
             ordering_key,
             OutboxStatus.PENDING.value,
+            message.message if message else "",
+            message.format if message else "",
         ]
         if channel:
             cursor.execute(

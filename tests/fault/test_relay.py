@@ -10,14 +10,18 @@ import random
 import signal
 import time
 from collections import Counter as Tally
+from typing import Any
 
 import pytest
+from celery.utils.nodenames import anon_nodename
 from django.db import transaction
+from django.test import override_settings
 from kombu import Connection
 from prometheus_client import REGISTRY
 
 from django_outbox.models import Attempt, OutboxEvent, OutboxStatus, Outcome
 from django_outbox.outbox.dispatch import dispatch
+from django_outbox.outbox.events import publish_event
 from tests.support.queues import queued
 from tests.support.servers import PrivateRedis
 from tests.support.waiting import wait_for
@@ -139,11 +143,29 @@ BACKLOG = 10_000
 KILLS = 4
 
 
-def backlog(n: int = BACKLOG) -> None:
-    """Pending events written straight to the table (bulk), as a backlog after an outage."""
-    OutboxEvent.objects.bulk_create(
-        OutboxEvent(task_name="tests.note", kwargs={"name": f"n{i}"}) for i in range(n)
-    )
+def backlog(n: int = BACKLOG, *, prepared_for: str = "") -> None:
+    """Pending events written straight to the table (bulk), as a backlog after an outage;
+    with ``prepared_for`` (a queue), written by ``publish_event`` to that queue with
+    their prepared messages (``EXPLICIT_OUTBOX_PREPARED_MESSAGES``)."""
+    if not prepared_for:
+        OutboxEvent.objects.bulk_create(
+            OutboxEvent(task_name="tests.note", kwargs={"name": f"n{i}"}) for i in range(n)
+        )
+        return
+    with override_settings(EXPLICIT_OUTBOX_PREPARED_MESSAGES=True):
+        for start in range(0, n, 1000):
+            with transaction.atomic():
+                for i in range(start, min(n, start + 1000)):
+                    publish_event("tests.note", {"name": f"n{i}"}, options={"queue": prepared_for})
+    assert not OutboxEvent.objects.filter(message="").exists(), "every event prepared"
+
+
+def assert_built_where(messages: list[dict[str, Any]], *, prepared: bool) -> None:
+    """Prepared messages were built here, by the writer (Celery's ``origin`` header names
+    this process); the others by the relays."""
+    here = anon_nodename()
+    origins = {m["headers"]["origin"] for m in messages}
+    assert origins == {here} if prepared else here not in origins, (origins, here)
 
 
 def published_ids() -> set[str]:
@@ -179,10 +201,14 @@ def test_sigterm_finishes_the_batch_in_hand_and_exits_0(start_relay, queue, redi
     assert max(in_broker.values()) == 1
 
 
-def test_sigkill_mid_batch_republishes_never_loses(start_relay, queue, redis_client) -> None:
+@pytest.mark.parametrize("prepared", [False, True], ids=["built", "prepared"])
+def test_sigkill_mid_batch_republishes_never_loses(
+    start_relay, queue, redis_client, prepared
+) -> None:
     """At least once: a relay killed mid-batch leaves its claim pending, and the next
-    relay publishes it (again, if the kill came after the send)."""
-    backlog()
+    relay publishes it (again, if the kill came after the send). The same with prepared
+    messages, pushed by their own pipeline."""
+    backlog(prepared_for=queue if prepared else "")
     rng = random.Random(4)
     kills = 0
     while kills < KILLS and pending():
@@ -201,6 +227,7 @@ def test_sigkill_mid_batch_republishes_never_loses(start_relay, queue, redis_cli
     assert kills == KILLS, "the backlog ran out before the kills: make it larger"
     start_relay("--batch-size", "500", "--poll-interval", "0.1")
     wait_for(lambda: pending() == 0, timeout=60, what="the rest relayed")
+    assert_built_where(queued(redis_client, queue), prepared=prepared)
     in_broker = Tally(m["id"] for m in queued(redis_client, queue))
     assert set(in_broker) == published_ids()
     assert len(in_broker) == BACKLOG
@@ -208,12 +235,13 @@ def test_sigkill_mid_batch_republishes_never_loses(start_relay, queue, redis_cli
     print(f"{kills} kills, {duplicates} events published twice")
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["built", "prepared"])
 def test_a_kill_between_the_send_and_the_mark_republishes_the_batch(
-    start_relay, queue, redis_client
+    start_relay, queue, redis_client, prepared
 ) -> None:
     """The window the random kills above may miss, hit every time: the batch is in the
     broker, not yet marked; the next relay sends it again (at least once, no loss)."""
-    backlog(200)
+    backlog(200, prepared_for=queue if prepared else "")
     relay = start_relay("--batch-size", "50", control="slow-mark")
     wait_for(lambda: "flushed 50" in relay.log(), what="a batch sent, not yet marked")
     relay.stop(signal.SIGKILL)
@@ -221,6 +249,7 @@ def test_a_kill_between_the_send_and_the_mark_republishes_the_batch(
     assert len(in_broker) == 50 and published_ids() == set()  # sent, not marked
     start_relay("--batch-size", "50", "--poll-interval", "0.1")
     wait_for(lambda: pending() == 0, timeout=60, what="the rest relayed")
+    assert_built_where(queued(redis_client, queue), prepared=prepared)
     in_broker = Tally(m["id"] for m in queued(redis_client, queue))
     assert set(in_broker) == published_ids() and len(in_broker) == 200
     assert sorted(in_broker.values()).count(2) == 50  # that batch, twice; nothing lost

@@ -64,7 +64,8 @@ def test_relay_bench_runs_its_references_by_hand() -> None:
         "relay, batch size 50",
         "a relay by hand",
         "its claim and marks alone",
-        "prepared messages pushed",
+        "relay, prepared messages, batch size 50",
+        "the writer's price",
     ):
         assert line in output, output
 

@@ -389,6 +389,20 @@ def test_rabbitmq_without_publisher_confirms_is_a_warning(conf: Any) -> None:
         conf.broker_url, conf.broker_transport_options = saved_url, saved_options
 
 
+def test_prepared_messages_on_another_broker_than_redis_are_an_error(conf: Any) -> None:
+    saved = conf.broker_url
+    try:
+        with override_settings(EXPLICIT_OUTBOX_PREPARED_MESSAGES=True):
+            assert "django_outbox.E009" not in ids(checks.check_celery_configuration())
+            conf.broker_url = "amqp://guest:guest@127.0.0.1:5672//"
+            found = [m for m in checks.check_celery_configuration() if m.id == "django_outbox.E009"]
+        assert len(found) == 1 and "EXPLICIT_OUTBOX_PREPARED_MESSAGES" in found[0].msg
+        assert "'amqp' broker" in found[0].msg
+        assert "django_outbox.E009" not in ids(checks.check_celery_configuration())  # off
+    finally:
+        conf.broker_url = saved
+
+
 def test_a_soft_shutdown_shorter_than_a_job_is_a_warning(conf: Any) -> None:
     saved = conf.get("worker_soft_shutdown_timeout")
     conf.worker_soft_shutdown_timeout = 0.5

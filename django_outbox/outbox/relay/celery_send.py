@@ -91,7 +91,9 @@ class Plan:
 class Batch:
     """One batch's Celery send path through one producer."""
 
-    def __init__(self, app: Celery, producer: Any) -> None:
+    def __init__(self, app: Celery, producer: Any = None) -> None:
+        # None: messages are only built (``build``), as the outbox's writer does; what
+        # it builds is what the relay sends, which names no parent task.
         self.producer = producer
         conf = app.conf
         # Inside a worker's task the message would carry its parent's ids: rare enough
@@ -100,7 +102,7 @@ class Batch:
         self.enabled = not (
             conf.task_always_eager
             or conf.task_send_sent_event
-            or app.current_worker_task
+            or (producer is not None and app.current_worker_task)
             or versions.untested(versions.installed())
         )
         self.repr_levels = conf.task_repr_maxlevels
@@ -135,6 +137,26 @@ class Batch:
         headers=headers, retry=False, **options)`` would send, sent the same way.
         ``headers`` and ``options`` are the caller's, ours stamped on them already
         (``celery_explicit.headers.stamp``)."""
+        message, options, ignore_result = self.build(plan, task_id, args, kwargs, headers, options)
+        options["declare"] = self._declare(options)
+        producer = self.producer
+        with producer.connection._reraise_as_library_errors():
+            if not ignore_result:
+                plan.backend.on_task_call(producer, task_id)
+            self.amqp.send_task_message(producer, plan.task.name, message, **options)
+
+    def build(
+        self,
+        plan: Plan,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        headers: dict[str, Any],
+        options: dict[str, Any],
+    ) -> tuple[Any, dict[str, Any], Any]:
+        """Celery's message for one event, the options ``send_task_message`` takes with
+        it (routed: the queue resolved), and whether its result is ignored. Nothing is
+        sent; a prepared message (``django_outbox.outbox.prepared``) is built from these."""
         task = plan.task
         if not plan.explicit and task.typing:
             check = getattr(task, "__header__", None)
@@ -150,7 +172,6 @@ class Batch:
         # Fail fast: the relay's own backoff replaces Celery's publish retries, which
         # would hold the whole batch (and its row locks) meanwhile.
         options["retry"] = False
-        amqp = self.amqp
         options = self._route(options, task, args, kwargs)
         # A sensitive task's redacted reprs stay in the options, as in send_task (which
         # hands them to kombu as message properties too).
@@ -158,7 +179,7 @@ class Batch:
             "argsrepr": options.get("argsrepr") or self._repr(args, self.repr_maxsize[0]),
             "kwargsrepr": options.get("kwargsrepr") or self._repr(kwargs, self.repr_maxsize[1]),
         }
-        message = amqp.create_task_message(
+        message = self.amqp.create_task_message(
             task_id,
             task.name,
             args,
@@ -171,12 +192,7 @@ class Batch:
             **{**options, **reprs},
         )
         options.pop("stamped_headers", None)
-        options["declare"] = self._declare(options)
-        producer = self.producer
-        with producer.connection._reraise_as_library_errors():
-            if not ignore_result:
-                plan.backend.on_task_call(producer, task_id)
-            amqp.send_task_message(producer, task.name, message, **options)
+        return message, options, ignore_result
 
     def _route(
         self, options: dict[str, Any], task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -80,10 +80,27 @@ class Claimed:
     #: What is wrong with a row whose columns do not have the shapes the relay
     #: writes (an older row, a hand-made one): it is dead-lettered, not published.
     malformed: str = ""
+    #: The prepared broker message and its label (``django_outbox.outbox.prepared``);
+    #: "" when the relay builds the message.
+    message: str = ""
+    message_format: str = ""
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> Claimed:
-        id_, event_id, task_name, args, kwargs, headers, options, key, attempts, created = row
+        (
+            id_,
+            event_id,
+            task_name,
+            args,
+            kwargs,
+            headers,
+            options,
+            key,
+            attempts,
+            created,
+            message,
+            message_format,
+        ) = row
         if type(args) is type(kwargs) is type(headers) is type(options) is str:
             # Django's psycopg setup hands jsonb over as text: one parse for the four.
             args, kwargs, headers, options = json.loads(f"[{args},{kwargs},{headers},{options}]")
@@ -108,6 +125,9 @@ class Claimed:
                 key,
                 attempts,
                 _aware(created),
+                "",
+                message or "",
+                message_format or "",
             )
         values = {
             "args": (args, list),
@@ -134,6 +154,8 @@ class Claimed:
             attempts=attempts,
             created_at=_aware(created),
             malformed="; ".join(wrong),
+            message=message or "",
+            message_format=message_format or "",
             **clean,
         )
 

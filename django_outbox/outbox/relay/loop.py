@@ -273,6 +273,7 @@ class Relay:
             dropped: list[Claimed] = []
             producer = None
             with ordering.record_numbers() as taken:
+                self._messages = None
                 try:
                     producer = self._broker.producer()
                     self._messages = self.policy.messages(producer)
@@ -289,8 +290,15 @@ class Relay:
                                 result.dead_lettered += 1
                             else:
                                 result.failed += 1
+                        # The prepared messages' pipeline (django_outbox.outbox.prepared).
+                        self._messages.flush()
                 except self._broker.errors() as exc:
                     result.broker_error = exc
+                    if self._messages is not None and self._messages.unpushed:
+                        # Not pushed, or pushed by a pipeline whose outcome is unknown:
+                        # published again later (at least once).
+                        unpushed = {id(event) for _k, _p, event, _t in self._messages.unpushed}
+                        sent = [event for event in sent if id(event) not in unpushed]
                     if producer is None or getattr(producer, "supports_batch_publish", False):
                         # Buffered messages were discarded, or the flush failed with an
                         # uncertain outcome: publish them all again later (at least

@@ -18,17 +18,22 @@ and the relay would otherwise back the whole outbox off for one full queue.
 
 from __future__ import annotations
 
+import json
 import random
+import time
+import uuid
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from celery import Celery, Task
+from celery import Celery, Task, signals
 from celery.exceptions import QueueNotFound
 from django.db.models import F
 from django.db.models.functions import Now
+from kombu.serialization import loads as deserialize
+from kombu.transport.virtual.base import Base64
 
 from celery_explicit import job_log, tracing
 from celery_explicit.errors import BadInput, qualname
@@ -40,7 +45,9 @@ from celery_explicit.headers import (
 )
 from celery_explicit.metrics import dead_letters as dead_letters_total
 from celery_explicit.retry_policy import backoff_delay
+from celery_explicit.versions import __version__
 from django_outbox.models import DeadLetterReason, OutboxEvent, OutboxStatus
+from django_outbox.outbox import prepared
 from django_outbox.outbox.relay import celery_send
 from django_outbox.outbox.relay.broker import BrokerConnection
 from django_outbox.outbox.relay.claim import Claimed
@@ -90,6 +97,32 @@ class PublishPolicy:
             )
             return OutboxStatus.DEAD_LETTER
         event_id = event.event_id
+        if event.message:
+            if not prepared.readable(event.message_format):
+                self.dead_letter(
+                    event,
+                    DeadLetterReason.BAD_INPUT,
+                    error_class=f"{prepared.Unreadable.__module__}.{prepared.Unreadable.__qualname__}",
+                    message=f"outbox event's prepared message was written by "
+                    f"{prepared.version_of(event.message_format)}; this relay "
+                    f"(celery-explicit {__version__}) reads {prepared.FORMAT} only: not "
+                    "published (its arguments stay on the row)",
+                )
+                return OutboxStatus.DEAD_LETTER
+            if messages.takes_prepared(task):
+                try:
+                    messages.push(event, task)
+                except prepared.Unreadable as exc:
+                    self.dead_letter(
+                        event,
+                        DeadLetterReason.BAD_INPUT,
+                        error_class=qualname(exc),
+                        message=f"outbox event's prepared message, written by "
+                        f"{prepared.version_of(event.message_format)}, is not in its "
+                        f"format: {exc}; not published (its arguments stay on the row)",
+                    )
+                    return OutboxStatus.DEAD_LETTER
+                return OutboxStatus.PUBLISHED
         try:
             # A span continuing the row's stored trace; its context replaces the stored one.
             with (
@@ -286,6 +319,17 @@ class CeleryMessages:
         # Off: no span per event (checking costs as much as the rest of the headers).
         self.traced = tracing.enabled()
         self.celery = celery_send.Batch(app, producer)
+        # Prepared messages (django_outbox.outbox.prepared) go out on the broker's
+        # Redis only, by their own pipeline, and only where nothing here needs the
+        # message built: no span, no before_task_publish receiver.
+        self.prepared_ok = (
+            self.celery.enabled
+            and not self.traced
+            and getattr(producer.connection.transport, "driver_type", "") == "redis"
+        )
+        self._takes: dict[str, bool] = {}
+        #: (list, bytes, event, task) of the prepared messages not pushed yet.
+        self.unpushed: list[tuple[str, str, Claimed, Task[Any, Any]]] = []
 
     def task(self, name: str) -> Task[Any, Any] | None:
         """The registered task of that name, None if the relay knows none."""
@@ -321,3 +365,64 @@ class CeleryMessages:
             stamp(task, args, kwargs, headers, options)
         self.celery.send_task(plan, task_id, args, kwargs, headers, options)
         return None
+
+    def takes_prepared(self, task: Task[Any, Any]) -> bool:
+        """Whether this batch pushes a prepared message of ``task`` as stored."""
+        name = task.name
+        takes = self._takes.get(name)
+        if takes is None:
+            takes = self._takes[name] = (
+                self.prepared_ok
+                and self.celery.plan(task) is not None
+                and not signals.before_task_publish.has_listeners(name)
+            )
+        return takes
+
+    def push(self, event: Claimed, task: Task[Any, Any]) -> None:
+        """Add an event's prepared message, with this publish's send time and delivery
+        tag, to the batch's pipeline (sent by ``flush``); ``prepared.Unreadable`` if it
+        is not in its format."""
+        key, payload = prepared.splice(event.message, time.time(), str(uuid.uuid4()))
+        self.unpushed.append((key, payload, event, task))
+
+    def flush(self) -> None:
+        """Push the prepared messages in one pipeline on the producer's channel (its
+        Redis connection, key prefix and all), then fire ``after_task_publish`` for
+        each. Raised as a broker error if the pipeline fails: none of them counts as
+        published then (``unpushed`` keeps them)."""
+        if not self.unpushed:
+            return
+        channel = self.producer.channel
+        with (
+            self.producer.connection._reraise_as_library_errors(),
+            channel.conn_or_acquire() as client,
+        ):
+            pipe = client.pipeline(transaction=False)
+            for key, payload, _event, _task in self.unpushed:
+                pipe.lpush(key, payload)
+            pipe.execute()
+        pushed, self.unpushed = self.unpushed, []
+        for _key, _payload, event, task in pushed:
+            if not task.ignore_result:
+                task.backend.on_task_call(self.producer, event.event_id)
+        if signals.after_task_publish.receivers:
+            for _key, payload, _event, task in pushed:
+                _after_publish(task.name, payload)
+
+
+def _after_publish(name: str, payload: str) -> None:
+    """``after_task_publish`` for one pushed message, with what Celery's send passes."""
+    message = json.loads(payload)
+    body = deserialize(
+        Base64().decode(message["body"]),
+        message["content-type"],
+        message["content-encoding"],
+        accept={message["content-type"]},
+    )
+    signals.after_task_publish.send(
+        sender=name,
+        body=body,
+        headers=message["headers"],
+        exchange=message["properties"]["delivery_info"]["exchange"],
+        routing_key=message["properties"]["delivery_info"]["routing_key"],
+    )
