@@ -236,11 +236,14 @@ NO_FLUSH = "SET LOCAL synchronous_commit TO OFF"
 # cost more to compile and bind than the UPDATE did to run. published_at is the
 # statement's time, as Django's Now() is: now() is the transaction's start, before the
 # messages were sent, and the reconciler compares published_at with the time a queue's
-# oldest message was sent (outbox.relay.reconcile).
+# oldest message was sent (outbox.relay.reconcile). A prepared message (about 1 kB) is
+# cleared: it is spent, and the row's new version need not copy it (nor keep it for the
+# outbox's retention); message_format stays, saying the event was sent prepared.
 MARK = """
 UPDATE django_outbox_event
 SET status = '{status}',
     attempts = attempts + 1,
-    published_at = {published_at}
+    published_at = {published_at},
+    message = ''
 WHERE id = ANY('{{{ids}}}'::bigint[])
 """

@@ -189,6 +189,11 @@ def test_a_relay_batch_of_stored_unstored_and_unreadable_messages(
     assert letters[newer].kwargs["op_id"] == "1"  # the arguments go with the dead letter
     assert "not in its format" in letters[garbled].error_message
     assert OutboxEvent.objects.filter(status=OutboxStatus.DEAD_LETTER).count() == 2
+    # A published row's message is spent: cleared, its label kept.
+    published = OutboxEvent.objects.filter(event_id__in=stored)
+    assert {(e.status, e.message, e.message_format) for e in published} == {
+        (OutboxStatus.PUBLISHED, "", prepared.format_label())
+    }
 
 
 @pytest.mark.django_db(transaction=True)

@@ -366,7 +366,11 @@ class Relay:
         connection = connections[self.using]
         if connection.vendor != "postgresql":
             for status, events in marks.items():
-                fields: dict[str, Any] = {"status": status, "attempts": F("attempts") + 1}
+                fields: dict[str, Any] = {
+                    "status": status,
+                    "attempts": F("attempts") + 1,
+                    "message": "",  # spent (relay_sql.MARK)
+                }
                 if status is OutboxStatus.PUBLISHED:
                     fields["published_at"] = Now()
                 OutboxEvent.objects.using(self.using).filter(id__in=[e.id for e in events]).update(
