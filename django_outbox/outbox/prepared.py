@@ -265,7 +265,7 @@ def splice(text: str, sent_at: float, delivery_tag: str) -> tuple[str, str]:
     send time and delivery tag; ``Unreadable`` if it is not three lines."""
     parts = text.split("\n")
     if len(parts) != 3 or not parts[0] or not parts[1].startswith("{") or not parts[2]:
-        raise Unreadable(f"a stored message of {len(parts)} lines, not the 3 of {FORMAT}")
+        raise Unreadable(f"it is not in its format: {len(parts)} lines, not the 3 of {FORMAT}")
     key, head, properties = parts
     return key, (
         f'{head}, "{SENT_AT_HEADER}": {sent_at!r}}}, "properties": {properties}, '

@@ -98,31 +98,9 @@ class PublishPolicy:
             return OutboxStatus.DEAD_LETTER
         event_id = event.event_id
         if event.message:
-            if not prepared.readable(event.message_format):
-                self.dead_letter(
-                    event,
-                    DeadLetterReason.BAD_INPUT,
-                    error_class=f"{prepared.Unreadable.__module__}.{prepared.Unreadable.__qualname__}",
-                    message=f"outbox event's prepared message was written by "
-                    f"{prepared.version_of(event.message_format)}; this relay "
-                    f"(celery-explicit {__version__}) reads {prepared.FORMAT} only: not "
-                    "published (its arguments stay on the row)",
-                )
-                return OutboxStatus.DEAD_LETTER
-            if messages.takes_prepared(task):
-                try:
-                    messages.push(event, task)
-                except prepared.Unreadable as exc:
-                    self.dead_letter(
-                        event,
-                        DeadLetterReason.BAD_INPUT,
-                        error_class=qualname(exc),
-                        message=f"outbox event's prepared message, written by "
-                        f"{prepared.version_of(event.message_format)}, is not in its "
-                        f"format: {exc}; not published (its arguments stay on the row)",
-                    )
-                    return OutboxStatus.DEAD_LETTER
-                return OutboxStatus.PUBLISHED
+            outcome = self.publish_prepared(event, task, messages)
+            if outcome is not None:
+                return outcome
         try:
             # A span continuing the row's stored trace; its context replaces the stored one.
             with (
@@ -161,6 +139,35 @@ class PublishPolicy:
         # owns the id, and hands back that message's id instead.
         if sent is not None and getattr(sent, "id", event_id) != event_id:
             return OutboxStatus.DEDUPLICATED
+        return OutboxStatus.PUBLISHED
+
+    def publish_prepared(
+        self, event: Claimed, task: Task[Any, Any], messages: CeleryMessages
+    ) -> OutboxStatus | None:
+        """Push an event's prepared message (``django_outbox.outbox.prepared``): its
+        status, or None when this batch builds the message instead (it needs it built:
+        a span, a ``before_task_publish`` receiver). A layout this version does not
+        read, or text not in the layout its label names, is a ``bad_input`` dead
+        letter naming the version that wrote it: never published half-read."""
+        label = event.message_format
+        try:
+            if not prepared.readable(label):
+                raise prepared.Unreadable(
+                    f"this relay (celery-explicit {__version__}) reads {prepared.FORMAT} only"
+                )
+            if not messages.takes_prepared(task):
+                return None
+            messages.push(event, task)
+        except prepared.Unreadable as exc:
+            self.dead_letter(
+                event,
+                DeadLetterReason.BAD_INPUT,
+                error_class=qualname(exc),
+                message=f"outbox event's prepared message was written by "
+                f"{prepared.version_of(label)}, and {exc}: not published (its arguments "
+                "stay on the row)",
+            )
+            return OutboxStatus.DEAD_LETTER
         return OutboxStatus.PUBLISHED
 
     def fail(self, event: Claimed, exc: Exception, *, spend: bool = True) -> OutboxStatus | None:
