@@ -87,20 +87,8 @@ class Claimed:
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> Claimed:
-        (
-            id_,
-            event_id,
-            task_name,
-            args,
-            kwargs,
-            headers,
-            options,
-            key,
-            attempts,
-            created,
-            message,
-            message_format,
-        ) = row
+        id_, event_id, task_name, args, kwargs, headers, options = row[:7]
+        key, attempts, created, message, message_format = row[7:]
         if type(args) is type(kwargs) is type(headers) is type(options) is str:
             # Django's psycopg setup hands jsonb over as text: one parse for the four.
             args, kwargs, headers, options = json.loads(f"[{args},{kwargs},{headers},{options}]")
