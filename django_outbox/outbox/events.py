@@ -203,8 +203,8 @@ def _prepared(
         return prepared.prepare(task, event_id, tuple(args), kwargs, headers, options)
     except Exception as exc:
         # The row is written either way, and its columns are the event: a message that
-        # cannot be built here (a queue this process does not declare) is the relay's
-        # to build, or to refuse with the event's dead letter, as without the setting.
+        # fails to build here is the relay's to build, or to refuse with the event's
+        # dead letter, as without the setting.
         logger.warning(
             "outbox event %s (%s): no prepared message stored, the relay builds it: %s: %s",
             event_id,

@@ -15,8 +15,8 @@ writer spends about twice the CPU an event, and a row carries about 1 kB more.
 ``send_task_message`` and kombu's ``Producer.publish``, ``Channel.prepare_message``,
 ``_inplace_augment_message`` and the Redis ``_put`` do with it, written out here
 (``envelope``) from kombu's own serializer, body codec and JSON encoder.
-``tests/integration/test_prepared_messages.py`` compares it with what kombu pushes for
-the same event. Three values belong to the publish, not the write: the delivery tag
+``tests/integration/test_prepared_messages.py`` compares it with what the relay's send
+path pushes for the same event. Three values belong to the publish, not the write: the delivery tag
 (each delivery's own), the ``explicit_sent_at`` header and the ``timestamp`` property
 (when it was sent). They are left out of the stored text and spliced in by the relay
 (``splice``), at fixed places: the stored text is the Redis list's name, the message
@@ -24,15 +24,16 @@ up to the end of its headers, and its properties without their closing brace, on
 line (kombu's JSON never holds a raw newline).
 
 **Only where the bytes are the whole publish**, else no message is stored and the relay
-builds it from the row's columns as for every other event: a task the relay's own
-send path takes (``celery_send.Plan.of``: no dedup id or ordering number to claim, no
-``apply_async`` of its own, no expiry); a route that ends in one Redis list (a direct
-exchange, which Celery sends to the queue by name; no priority; no ``x-expires``); no
-compression; the JSON body codec's default (base64); no ``before_task_publish``
+builds it from the row's columns as for every other event: an ExplicitTask the relay's
+own send path takes (``celery_send.Plan.of``: no dedup id or ordering number to claim,
+no ``apply_async`` of its own, no expiry; Celery not eager, sending no task events, a
+tested version); a route that ends in one Redis list (a direct exchange, which Celery
+sends to the queue by name; no priority; no ``x-expires``); no compression; the
+transport's default body encoding (base64); no ``before_task_publish`` or ``task_sent``
 receiver in the writer. The relay, for its part, uses a stored message only when
-nothing in it listens to ``before_task_publish`` (a receiver may change what is sent:
-it then sees every message, built as before), tracing is off (a span per publish needs
-the message built), and its broker is Redis.
+nothing in it listens to ``before_task_publish`` or ``task_sent`` (a receiver may change
+or need what is sent: it then sees every message, built as before), tracing is off (a
+span per publish needs the message built), and its broker is Redis.
 
 **Signals.** ``before_task_publish`` fires for no prepared message (above: none is
 used where a receiver listens); ``after_task_publish`` fires in the relay for each,
@@ -49,10 +50,12 @@ event was written: a route changed later applies to events written after it.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery, Task, signals
+from django.core.signals import setting_changed
 from kombu.entity import maybe_delivery_mode
 from kombu.serialization import dumps as serialize
 from kombu.transport.virtual.base import Base64
@@ -122,27 +125,35 @@ def prepare(
     """The message to store with one event of ``task`` (its row's columns, which stay
     as they are), or None where the relay must build it (module docstring)."""
     writer = _Writer.of(task.app)
-    if writer is None or signals.before_task_publish.has_listeners(task.name):
+    if (
+        writer is None
+        or signals.before_task_publish.has_listeners(task.name)
+        or signals.task_sent.receivers
+    ):
         return None
     plan = Plan.of(task) if writer.batch.enabled else None
-    if plan is None:
+    # An ExplicitTask's message carries its send time (``stamp``), which the relay
+    # splices in; a plain task's carries none, so the stored text would not fit it.
+    if plan is None or not plan.explicit:
         return None
     # What the relay would send (CeleryMessages.send), on copies: the row keeps its own.
     headers = {PUBLISHED_VIA_HEADER: "outbox", **headers}
     options = dict(options)
-    if plan.explicit:
-        stamp(task, args, kwargs, headers, options)
+    stamp(task, args, kwargs, headers, options)
     message, options, _ignore_result = writer.batch.build(
-        plan, task_id, args, kwargs, headers, options
+        plan, task_id, args, kwargs, headers, options, reply_to=task.app.thread_oid
     )
     return envelope(message, options, **writer.settings)
 
 
 class _Writer:
-    """What building an app's messages reads once, not once an event: Celery's
-    settings (through Django's, an exception a miss) and its send path's."""
+    """What building an app's messages reads at most once a second (``REFRESH``), not
+    once an event: Celery's settings (through Django's, about 9 µs each) and its send
+    path's (``celery_send.Batch``, about 70 µs). A change through ``app.conf`` is seen
+    within a second, one through Django's settings (``override_settings``) at once."""
 
-    _known: dict[int, tuple[Celery, _Writer | None]] = {}
+    REFRESH = 1.0
+    _known: dict[int, tuple[Celery, float, _Writer | None]] = {}
     _lock = threading.Lock()
 
     def __init__(self, app: Celery) -> None:
@@ -162,14 +173,24 @@ class _Writer:
     @classmethod
     def of(cls, app: Celery) -> _Writer | None:
         """The app's writer; None unless its broker is Redis."""
+        now = time.monotonic()
         known = cls._known.get(id(app))
-        if known is not None and known[0] is app:
-            return known[1]
+        if known is not None and known[0] is app and now - known[1] < cls.REFRESH:
+            return known[2]
         url = str(app.conf.broker_url or "")
         writer = cls(app) if url.startswith(REDIS_URL_SCHEMES) else None
         with cls._lock:
-            cls._known[id(app)] = (app, writer)
+            cls._known[id(app)] = (app, now, writer)
         return writer
+
+    @classmethod
+    def forget(cls, **_kwargs: Any) -> None:
+        """Read every app's settings again at the next write (``setting_changed``)."""
+        with cls._lock:
+            cls._known.clear()
+
+
+setting_changed.connect(_Writer.forget, dispatch_uid="django_outbox.outbox.prepared")
 
 
 def envelope(

@@ -14,10 +14,10 @@ cannot extend anything, its consumer reconnects when the proxy lets it.
 The negative control is the short cut with the heartbeat off on A
 (``EXPLICIT_LEASE_EXTEND=0``): the lease runs out mid-job and the job is started again,
 so the rounds can see a second start when there is one. Every round of it shows one,
-and some a third: the sweep's copy goes to whichever consumer asks first, A's own as
-often as B's (the ``pids`` of the starts show it, about half the rounds); A holds it
-prefetched behind its running job, unextended as well, so it runs out again and B
-starts it once more. The job is applied once either way.
+and a round may show a third: once the lease has lapsed, more than one copy of the
+message can be about (the sweep's copy goes to whichever consumer asks first, A's own
+in about half the rounds at full scale, by the ``pids`` of the starts). The job is
+applied once either way.
 """
 
 from __future__ import annotations

@@ -98,12 +98,21 @@ def test_a_prepared_message_is_what_the_relay_sends(
     messages.send(task, task_id, args, kwargs, {PUBLISHED_VIA_HEADER: "outbox", **headers}, options)
     pushed, built = raw_messages(redis_client, queue)
     assert pushed["headers"][SENT_AT_HEADER] == sent_at
+    # comparable() drops the send time: each side must carry it.
+    assert SENT_AT_HEADER in built["headers"] and "timestamp" in built["properties"]
     assert comparable(pushed) == comparable(built)
 
 
 def test_no_message_where_the_bytes_are_not_the_whole_publish(queue: str) -> None:
     plain = ("tests.note", (), {"name": "n", "request_id": "r"})
     assert prepare(*plain, queue=queue) is not None  # the control: this one is stored
+    # A plain Celery task: its message carries no send time for the relay to splice.
+    unguarded = {"name": "u", "op_id": "1"}
+    assert prepare("tests.increment_unguarded", kwargs=unguarded, queue=queue) is None
+    # Compression, set through Django's settings: read again at once.
+    with override_settings(CELERY_TASK_COMPRESSION="gzip"):
+        assert prepare(*plain, queue=queue) is None
+    assert prepare(*plain, queue=queue) is not None
     # Another Redis list (kombu keeps each priority in its own).
     assert prepare(*plain, queue=queue, priority=5) is None
     # A dedup id or an ordering number is claimed at the publish.
@@ -151,9 +160,23 @@ def write(task_name: str, queue: str, n: int, *, prepared_on: bool) -> list[str]
         ]
 
 
+@pytest.fixture
+def pushed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The event ids whose stored message a relay in this process pushed."""
+    ids: list[str] = []
+    push = CeleryMessages.push
+
+    def spy(self: CeleryMessages, event: Any, task: Any) -> None:
+        push(self, event, task)
+        ids.append(event.event_id)
+
+    monkeypatch.setattr(CeleryMessages, "push", spy)
+    return ids
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_relay_batch_of_stored_unstored_and_unreadable_messages(
-    queue: str, redis_client: redis.Redis
+    queue: str, redis_client: redis.Redis, pushed: list[str]
 ) -> None:
     written_at = time.time()
     stored = write(Increment.name, queue, 3, prepared_on=True)
@@ -174,6 +197,7 @@ def test_a_relay_batch_of_stored_unstored_and_unreadable_messages(
     finally:
         relay.close()
     assert (result.published, result.dead_lettered) == (5, 2), result
+    assert sorted(pushed) == sorted(stored)  # pushed as stored; the others built
     sent = raw_messages(redis_client, queue)
     assert sorted(m["headers"]["id"] for m in sent) == sorted(stored + unstored)
     assert len({m["properties"]["delivery_tag"] for m in sent}) == 5
@@ -197,11 +221,14 @@ def test_a_relay_batch_of_stored_unstored_and_unreadable_messages(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_publish_signals_fire_where_documented(queue: str, redis_client: redis.Redis) -> None:
+def test_the_publish_signals_fire_where_documented(
+    queue: str, redis_client: redis.Redis, pushed: list[str]
+) -> None:
     """after_task_publish fires in the relay for a prepared message; a before_task_publish
     receiver in the relay sees every message, built as before, and what it changes is sent."""
     before: list[str] = []
     after: list[tuple[str, Any, str]] = []
+    after_bodies: list[Any] = []
 
     def on_before(headers: dict[str, Any], **kwargs: Any) -> None:
         before.append(headers["id"])
@@ -209,15 +236,18 @@ def test_the_publish_signals_fire_where_documented(queue: str, redis_client: red
 
     def on_after(headers: dict[str, Any], body: Any, routing_key: str, **kwargs: Any) -> None:
         after.append((headers["id"], body[1], routing_key))
+        after_bodies.append(body)
 
     first = write(Increment.name, queue, 2, prepared_on=True)
     after_task_publish.connect(on_after)
     try:
         relay = Relay(batch_size=50, notify_channel="")
         assert relay.drain().published == 2
+        assert sorted(pushed) == sorted(first)
         assert before == []
         assert sorted(a[0] for a in after) == sorted(first)
         assert all(a[1]["op_id"] == "1" and a[2] == queue for a in after), after
+        assert all(isinstance(body, tuple) for body in after_bodies)
         sent = raw_messages(redis_client, queue)
         assert all("seen_by" not in m["headers"] for m in sent)
         redis_client.delete(queue)
@@ -229,6 +259,7 @@ def test_the_publish_signals_fire_where_documented(queue: str, redis_client: red
             assert relay.drain().published == 2
         finally:
             before_task_publish.disconnect(on_before)
+        assert sorted(pushed) == sorted(first)  # the second pair built, not pushed
         relay.close()
     finally:
         after_task_publish.disconnect(on_after)
@@ -239,7 +270,9 @@ def test_the_publish_signals_fire_where_documented(queue: str, redis_client: red
 
 
 @pytest.mark.worker
-def test_a_worker_applies_prepared_events_once_each(start_worker, queue: str) -> None:
+def test_a_worker_applies_prepared_events_once_each(
+    start_worker, queue: str, pushed: list[str]
+) -> None:
     """Each event twice in the outbox (two rows, one idempotency key): one effect each."""
     names = [f"p{i}" for i in range(20)]
     Counter.objects.bulk_create(Counter(name=n) for n in names)
@@ -249,6 +282,7 @@ def test_a_worker_applies_prepared_events_once_each(start_worker, queue: str) ->
     assert OutboxEvent.objects.filter(message="").count() == 0
     relay = Relay(batch_size=50, notify_channel="")
     assert relay.drain().published == 40
+    assert len(pushed) == 40
     relay.close()
     start_worker(concurrency=2)
     wait_for(

@@ -21,12 +21,22 @@ def test_the_label_names_the_layout_and_the_writer() -> None:
 
 
 @pytest.mark.parametrize(
-    "label",
-    ["kombu-redis-json/2 celery-explicit 9.0", "", "kombu-redis-json/1x celery-explicit 0.1"],
+    ("label", "named"),
+    [
+        (
+            "kombu-redis-json/2 celery-explicit 9.0",
+            "celery-explicit 9.0 (format 'kombu-redis-json/2')",
+        ),
+        ("", "an unknown writer (format '?')"),
+        (
+            "kombu-redis-json/1x celery-explicit 0.1",
+            "celery-explicit 0.1 (format 'kombu-redis-json/1x')",
+        ),
+    ],
 )
-def test_another_layout_is_not_read(label: str) -> None:
+def test_another_layout_is_not_read_and_its_writer_is_named(label: str, named: str) -> None:
     assert not prepared.readable(label)
-    assert "format" in prepared.version_of(label)
+    assert prepared.version_of(label) == named
 
 
 @pytest.mark.parametrize(

@@ -153,10 +153,13 @@ class Batch:
         kwargs: dict[str, Any],
         headers: dict[str, Any],
         options: dict[str, Any],
+        *,
+        reply_to: str | None = None,
     ) -> tuple[Any, dict[str, Any], Any]:
         """Celery's message for one event, the options ``send_task_message`` takes with
         it (routed: the queue resolved), and whether its result is ignored. Nothing is
-        sent; a prepared message (``django_outbox.outbox.prepared``) is built from these."""
+        sent; a prepared message (``django_outbox.outbox.prepared``) is built from these,
+        with the writing thread's ``reply_to``."""
         task = plan.task
         if not plan.explicit and task.typing:
             check = getattr(task, "__header__", None)
@@ -184,7 +187,7 @@ class Batch:
             task.name,
             args,
             kwargs,
-            reply_to=self.reply_to,
+            reply_to=reply_to or self.reply_to,
             time_limit=time_limit,
             soft_time_limit=soft_time_limit,
             origin=self.origin,

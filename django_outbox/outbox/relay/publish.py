@@ -382,6 +382,7 @@ class CeleryMessages:
                 self.prepared_ok
                 and self.celery.plan(task) is not None
                 and not signals.before_task_publish.has_listeners(name)
+                and not signals.task_sent.receivers
             )
         return takes
 
@@ -428,7 +429,7 @@ def _after_publish(name: str, payload: str) -> None:
     )
     signals.after_task_publish.send(
         sender=name,
-        body=body,
+        body=tuple(body),  # Celery's (args, kwargs, embed), as send_task_message passes it
         headers=message["headers"],
         exchange=message["properties"]["delivery_info"]["exchange"],
         routing_key=message["properties"]["delivery_info"]["routing_key"],
