@@ -39,7 +39,9 @@ process does that every ``T / 4`` for each message it holds, with ``T`` the task
 - a message a sweep restored keeps its delivery tag, and kombu acks by tag: beside
   ``unacked`` a hash names the worker that holds each delivery now, and the ack,
   requeue and shutdown restore of any other worker (a stale copy) leave its record
-  alone (``message_lease_transport``: kombu's ack, reject and restore replaced).
+  alone; a worker holding two copies of one tag (it received the sweep's copy while
+  it still held the first) withholds the first of their acks
+  (``message_lease_transport``: kombu's ack, reject and restore replaced).
 
 Each extension is one ``ZADD XX`` (the entry must still exist: an acked message is not
 resurrected) plus the lease record an operator reads: ``{prefix}lease:{task_id}``, a

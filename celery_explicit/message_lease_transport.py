@@ -12,6 +12,9 @@ module replaces them (``celery_explicit.message_lease`` says what the lease is):
 - its ``ack``, ``reject`` and ``restore_unacked``: a delivery a sweep restored keeps
   its tag, so each acts only while this worker holds the delivery
   (``EXPLICIT_DELIVERY_HOLDER``), never on the record of the copy another worker runs;
+  and when this worker received the sweep's copy while it still held the first one
+  (two copies, one tag, one holder), the first of their acks is withheld, so the
+  record goes with the last;
 - ``sweep_by_server_clock``: kombu's sweep (``restore_visible``) compares the scores
   with the Redis server's clock, which wrote them, not the sweeping host's.
 
@@ -98,6 +101,9 @@ def lease_on_delivery(qos: Any, leases: Mapping[str, float]) -> None:
     qos.explicit_leases = dict(leases)
     # Off: no holder is recorded (nothing would remove it) and kombu's ack stays.
     qos.explicit_holder = holder_id() if settings.delivery_holder else ""
+    # Deliveries of a tag this worker received while it still held an earlier copy of
+    # it (``_ack_if_held``): their number of acks to withhold.
+    qos.explicit_copies = {}
     qos.append = MethodType(_append_with_lease, qos)
     channel = qos.channel
     atomic_fetch.install(
@@ -120,6 +126,12 @@ def _append_with_lease(qos: Any, message: Any, delivery_tag: str) -> None:
     """``QoS.append`` of a consumer with ``lease_on_delivery``."""
     from kombu.transport import redis as kombu_redis
     from kombu.utils.json import dumps
+
+    if qos.explicit_holder and delivery_tag in qos._delivered and delivery_tag not in qos._dirty:
+        # A sweep's copy of a message this worker still holds (its process stopped past
+        # the lease, say): two copies, one tag, one holder, so the holder record cannot
+        # tell them apart. The first of their acks is withheld (``_ack_if_held``).
+        qos.explicit_copies[delivery_tag] = qos.explicit_copies.get(delivery_tag, 0) + 1
 
     if atomic_fetch.recorded_by_fetch(qos.channel):
         # Recorded, lease and holder with it, by the script that took the message off
@@ -235,6 +247,8 @@ def _ack_if_held(qos: Any, delivery_tag: str) -> None:
     """
     from kombu.transport import redis as kombu_redis
 
+    if _withheld_for_another_copy(qos, delivery_tag, "ack"):
+        return
     channel = qos.channel
     unacked = str(getattr(channel, "global_keyprefix", "") or "") + str(qos.unacked_key)
     keys = [unacked_index_key(channel), unacked, holders_key_of(channel)]
@@ -248,6 +262,29 @@ def _ack_if_held(qos: Any, delivery_tag: str) -> None:
     super(kombu_redis.QoS, qos).ack(delivery_tag)
 
 
+def _withheld_for_another_copy(qos: Any, delivery_tag: str, what: str) -> bool:
+    """True when this worker holds another copy of ``delivery_tag``: the copy a sweep
+    restored and this worker received again while it still held this one. kombu acks
+    by tag, so this ack would remove the record (and kombu's in-memory entry) of the
+    other copy; withheld, the record stays until the other copy's ack. Which copy acks
+    first does not matter: the record goes with the last ack, and a worker that dies
+    between the two leaves it to the sweep (the job is run again, never lost)."""
+    copies = qos.explicit_copies
+    if not copies.get(delivery_tag):
+        return False
+    copies[delivery_tag] -= 1
+    if not copies[delivery_tag]:
+        del copies[delivery_tag]
+    metrics.stale_acks_withheld.labels(what).inc()
+    logger.warning(
+        "%s of delivery %s withheld: this worker holds another copy of it (a sweep "
+        "restored the message while this one ran); that copy's ack removes the record",
+        what,
+        delivery_tag,
+    )
+    return True
+
+
 def _reject_if_held(qos: Any, delivery_tag: str, requeue: bool = False) -> None:
     """``QoS.reject``: a requeue puts the message back only while this worker holds
     it (a stale copy's requeue would add a second copy and drop the live one's
@@ -256,6 +293,8 @@ def _reject_if_held(qos: Any, delivery_tag: str, requeue: bool = False) -> None:
 
     if not requeue:
         _ack_if_held(qos, delivery_tag)
+        return
+    if _withheld_for_another_copy(qos, delivery_tag, "requeue"):
         return
     if _held_elsewhere(qos, delivery_tag):
         metrics.stale_acks_withheld.labels("requeue").inc()

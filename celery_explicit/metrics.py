@@ -268,8 +268,9 @@ unreadable_messages = _Counter(
 )
 stale_acks_withheld = _Counter(
     "explicit_stale_acks_withheld_total",
-    "Acks, rejects and restores of a delivery another worker holds now (a stale copy "
-    "after a takeover), left without touching the broker's record of it (Redis).",
+    "Acks, rejects and restores of a delivery another worker holds now, or another "
+    "copy of it in this worker (a stale copy after a takeover), left without touching "
+    "the broker's record of it (Redis).",
     ["action"],
 )
 drain_releases = _Counter(

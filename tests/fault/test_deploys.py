@@ -166,6 +166,74 @@ def test_a_stale_copys_ack_never_drops_the_live_copy(
     assert outcomes == Tally({expected: rounds})
 
 
+def stale_ack_in_the_holder_then_it_dies(
+    start_worker, redis_client, env: dict[str, str], n: int
+) -> str:  # type: ignore[no-untyped-def]
+    """One round (Redis broker), one worker W of two pool processes: the first's job is
+    stopped past its lease, the sweep's copy goes back to W (the only consumer) and W's
+    other process takes the job over. The stale copy wakes up, has its commit fenced and
+    acks: the same tag, the same holder as the live copy. W then dies (SIGKILL) while
+    the live copy runs; a fresh worker must still apply the job."""
+    tag = uuid.uuid4().hex[:8]
+    order_id = 2000 + n
+    Profile.objects.create(user_id=order_id, data="address")
+    w = start_worker(concurrency=2, extra_env=env, prefetch_multiplier=1)
+    ShipToAddress().apply_async(args=[order_id, tag], queue=w.queue)
+    first = int(
+        wait_for(lambda: redis_client.lindex(f"started:{tag}", 0), timeout=20, what="start")
+    )
+    os.kill(first, signal.SIGSTOP)
+    redis_client.set(f"stopped:{tag}", 1, ex=120)
+    try:
+        wait_for(lambda: redis_client.llen(f"started:{tag}") == 2, timeout=30, what="takeover")
+    finally:
+        os.kill(first, signal.SIGCONT)
+    second = int(redis_client.lindex(f"started:{tag}", 1))
+    if second == first or second not in w.child_pids():
+        return f"set-up: the takeover ran in {second}, not W's other process"
+    wait_for(
+        lambda: Attempt.objects.filter(
+            idempotency_key=f"ship:{order_id}", outcome=Outcome.FENCED
+        ).exists(),
+        timeout=30,
+        what="the stale copy's fenced attempt",
+    )
+    time.sleep(0.5)  # its ack follows the attempt's row
+    w.kill_group()  # the live copy's worker dies mid-job
+    fresh = start_worker(concurrency=1, extra_env=env, prefetch_multiplier=1)
+    redis_client.set(f"proceed:{tag}", 1, ex=120)
+    try:
+        wait_for(
+            lambda: Attempt.objects.filter(
+                idempotency_key=f"ship:{order_id}", outcome=Outcome.APPLIED
+            ).exists(),
+            timeout=20,  # its lease is 2 s: applied within a few seconds when kept
+            what="the job applied by the fresh worker",
+        )
+    except TimeoutError:
+        return "lost"
+    finally:
+        fresh.stop()
+    return "applied"
+
+
+@pytest.mark.parametrize(
+    ("holder", "expected"),
+    [("1", "applied"), ("0", "lost")],
+    ids=["held", "negative-control"],
+)
+def test_a_stale_copys_ack_in_the_worker_holding_the_live_copy_never_drops_it(
+    start_worker, redis_client, holder, expected
+) -> None:
+    env = {"EXPLICIT_DELIVERY_HOLDER": holder}
+    rounds = ROUNDS if holder == "1" else scaled(1, 6)
+    outcomes = Tally(
+        stale_ack_in_the_holder_then_it_dies(start_worker, redis_client, env, n)
+        for n in range(rounds)
+    )
+    assert outcomes == Tally({expected: rounds})
+
+
 def deploy_cut_short(start_worker, redis_client, broker: str, how: str) -> str:  # type: ignore[no-untyped-def]
     """Worker A runs a long job and gets SIGTERM 2 s into it; 1 s later the
     deploy loses patience: a second SIGTERM (Celery's cold shutdown: the pool is

@@ -139,6 +139,8 @@ class FakeQoS:
 
     def __init__(self) -> None:
         self.explicit_leases = {"chaos.job": 30.0}
+        self.explicit_holder = ""  # as lease_on_delivery sets them, no holder recorded
+        self.explicit_copies: dict[str, int] = {}
         # A channel whose last fetch was kombu's own BRPOP: nothing recorded it yet.
         self.channel = SimpleNamespace(explicit_fetched=False)
         self.kombu_appended: list[tuple[Any, str]] = []
