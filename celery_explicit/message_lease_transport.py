@@ -127,10 +127,18 @@ def _append_with_lease(qos: Any, message: Any, delivery_tag: str) -> None:
     from kombu.transport import redis as kombu_redis
     from kombu.utils.json import dumps
 
-    if qos.explicit_holder and delivery_tag in qos._delivered and delivery_tag not in qos._dirty:
+    if (
+        qos.explicit_holder
+        and delivery_tag in qos._delivered
+        and delivery_tag not in qos._dirty
+        and settings.lease_extend
+    ):
         # A sweep's copy of a message this worker still holds (its process stopped past
         # the lease, say): two copies, one tag, one holder, so the holder record cannot
-        # tell them apart. The first of their acks is withheld (``_ack_if_held``).
+        # tell them apart. The first of their acks is withheld (``_ack_if_held``), the
+        # live copy's lease kept by the heartbeat. (Without the heartbeat, the negative
+        # control's switch, nothing would keep it: the record would be swept again and
+        # again, each copy taking the job over from the one before; kombu's ack stays.)
         qos.explicit_copies[delivery_tag] = qos.explicit_copies.get(delivery_tag, 0) + 1
 
     if atomic_fetch.recorded_by_fetch(qos.channel):
