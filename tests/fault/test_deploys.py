@@ -99,28 +99,22 @@ def test_sigterm_mid_job_runs_it_once(start_worker, redis_client, broker, drain,
     assert outcomes == Tally({expected: rounds})
 
 
-def stale_ack_then_holder_dies(start_worker, redis_client, env: dict[str, str], n: int) -> str:  # type: ignore[no-untyped-def]
-    """One round (Redis broker): worker A's pool process is stopped past its lease;
-    worker B takes the job over and is still running it when A wakes up, has its commit
-    fenced and acks. B then dies (SIGKILL); a fresh worker C must still apply the job."""
-    tag = uuid.uuid4().hex[:8]
-    order_id = 1000 + n
-    Profile.objects.create(user_id=order_id, data="address")
-    # One message per worker at a time: the copy a sweep restores goes to the other
-    # worker, never to the stopped one's main process.
-    a = start_worker(concurrency=1, extra_env=env, prefetch_multiplier=1)
-    b = start_worker(concurrency=1, extra_env=env, prefetch_multiplier=1)
-    ShipToAddress().apply_async(args=[order_id, tag], queue=a.queue)
-    first, stale, live = first_start(redis_client, tag, a, b)
+def stop_past_the_lease(redis_client, tag: str) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Stop the job's first pool process (SIGSTOP) until another one has taken the job
+    over; the pids of the first start and the second."""
+    first = int(
+        wait_for(lambda: redis_client.lindex(f"started:{tag}", 0), timeout=20, what="start")
+    )
     os.kill(first, signal.SIGSTOP)
     redis_client.set(f"stopped:{tag}", 1, ex=120)
     try:
         wait_for(lambda: redis_client.llen(f"started:{tag}") == 2, timeout=30, what="takeover")
     finally:
         os.kill(first, signal.SIGCONT)
-    second = int(redis_client.lindex(f"started:{tag}", 1))
-    if second not in live.child_pids():
-        return f"set-up: the takeover ran on the stale worker ({second})"
+    return first, int(redis_client.lindex(f"started:{tag}", 1))
+
+
+def wait_fenced(order_id: int) -> None:
     wait_for(
         lambda: Attempt.objects.filter(
             idempotency_key=f"ship:{order_id}", outcome=Outcome.FENCED
@@ -128,8 +122,13 @@ def stale_ack_then_holder_dies(start_worker, redis_client, env: dict[str, str], 
         timeout=30,
         what="the stale copy's fenced attempt",
     )
-    stale.stop()  # its ack has happened: the worker ends normally
-    live.kill_group()  # the live copy's worker dies mid-job
+
+
+def a_fresh_worker_applies(
+    start_worker, redis_client, env: dict[str, str], order_id: int, tag: str
+) -> str:  # type: ignore[no-untyped-def]
+    """Once the live copy's worker is dead: "applied" if a fresh worker applies the job
+    (its record was kept, the sweep restored it), "lost" if not."""
     fresh = start_worker(concurrency=1, extra_env=env, prefetch_multiplier=1)
     redis_client.set(f"proceed:{tag}", 1, ex=120)
     try:
@@ -147,6 +146,28 @@ def stale_ack_then_holder_dies(start_worker, redis_client, env: dict[str, str], 
         # on that round's own second worker.
         fresh.stop()
     return "applied"
+
+
+def stale_ack_then_holder_dies(start_worker, redis_client, env: dict[str, str], n: int) -> str:  # type: ignore[no-untyped-def]
+    """One round (Redis broker): worker A's pool process is stopped past its lease;
+    worker B takes the job over and is still running it when A wakes up, has its commit
+    fenced and acks. B then dies (SIGKILL); a fresh worker C must still apply the job."""
+    tag = uuid.uuid4().hex[:8]
+    order_id = 1000 + n
+    Profile.objects.create(user_id=order_id, data="address")
+    # One message per worker at a time: the copy a sweep restores goes to the other
+    # worker, never to the stopped one's main process.
+    a = start_worker(concurrency=1, extra_env=env, prefetch_multiplier=1)
+    b = start_worker(concurrency=1, extra_env=env, prefetch_multiplier=1)
+    ShipToAddress().apply_async(args=[order_id, tag], queue=a.queue)
+    _pid, stale, live = first_start(redis_client, tag, a, b)
+    _first, second = stop_past_the_lease(redis_client, tag)
+    if second not in live.child_pids():
+        return f"set-up: the takeover ran on the stale worker ({second})"
+    wait_fenced(order_id)
+    stale.stop()  # its ack has happened: the worker ends normally
+    live.kill_group()  # the live copy's worker dies mid-job
+    return a_fresh_worker_applies(start_worker, redis_client, env, order_id, tag)
 
 
 @pytest.mark.parametrize(
@@ -179,42 +200,13 @@ def stale_ack_in_the_holder_then_it_dies(
     Profile.objects.create(user_id=order_id, data="address")
     w = start_worker(concurrency=2, extra_env=env, prefetch_multiplier=1)
     ShipToAddress().apply_async(args=[order_id, tag], queue=w.queue)
-    first = int(
-        wait_for(lambda: redis_client.lindex(f"started:{tag}", 0), timeout=20, what="start")
-    )
-    os.kill(first, signal.SIGSTOP)
-    redis_client.set(f"stopped:{tag}", 1, ex=120)
-    try:
-        wait_for(lambda: redis_client.llen(f"started:{tag}") == 2, timeout=30, what="takeover")
-    finally:
-        os.kill(first, signal.SIGCONT)
-    second = int(redis_client.lindex(f"started:{tag}", 1))
+    first, second = stop_past_the_lease(redis_client, tag)
     if second == first or second not in w.child_pids():
         return f"set-up: the takeover ran in {second}, not W's other process"
-    wait_for(
-        lambda: Attempt.objects.filter(
-            idempotency_key=f"ship:{order_id}", outcome=Outcome.FENCED
-        ).exists(),
-        timeout=30,
-        what="the stale copy's fenced attempt",
-    )
+    wait_fenced(order_id)
     time.sleep(0.5)  # its ack follows the attempt's row
     w.kill_group()  # the live copy's worker dies mid-job
-    fresh = start_worker(concurrency=1, extra_env=env, prefetch_multiplier=1)
-    redis_client.set(f"proceed:{tag}", 1, ex=120)
-    try:
-        wait_for(
-            lambda: Attempt.objects.filter(
-                idempotency_key=f"ship:{order_id}", outcome=Outcome.APPLIED
-            ).exists(),
-            timeout=20,  # its lease is 2 s: applied within a few seconds when kept
-            what="the job applied by the fresh worker",
-        )
-    except TimeoutError:
-        return "lost"
-    finally:
-        fresh.stop()
-    return "applied"
+    return a_fresh_worker_applies(start_worker, redis_client, env, order_id, tag)
 
 
 @pytest.mark.parametrize(
