@@ -66,6 +66,7 @@ def stamp(
     options: dict[str, Any],
     *,
     republish: bool = False,
+    key: str = "",
 ) -> dict[str, Any] | None:
     """Add our headers to ``headers`` and our message properties to ``options`` (the
     caller's publish options, both changed in place) for one publish of ``task``, an
@@ -77,7 +78,10 @@ def stamp(
     id (its caller's context's, else a new one); it returns the arguments the caller
     gave, for the other keys its mechanisms render (ordering, dedup). A re-publish
     (``republish``: a retry, a deferral) already carries the job's own headers
-    (``republish.carry_headers``): None.
+    (``republish.carry_headers``): None. ``key``: the idempotency key this process
+    rendered from these very arguments a moment before (the outbox's writer, which
+    checked the call with ``outbox.events.check_call``), taken as it is: they are
+    neither bound nor rendered again, and None is returned.
 
     Every publish gets the time it is sent, in a header and as the message's AMQP
     ``timestamp`` (whole seconds: RabbitMQ's management API reports it for a queue's
@@ -92,8 +96,11 @@ def stamp(
     given: dict[str, Any] | None = None
     if not republish:
         headers.setdefault(PUBLISHED_VIA_HEADER, "direct")
-        _arguments, given = task.bind_arguments(args, kwargs)
-        headers[KEY_HEADER] = keys.render_key(task.name, contract.idempotency_key, given)
+        if key:
+            headers[KEY_HEADER] = key
+        else:
+            _arguments, given = task.bind_arguments(args, kwargs)
+            headers[KEY_HEADER] = keys.render_key(task.name, contract.idempotency_key, given)
         if CORRELATION_HEADER not in headers:  # an outbox row has it (outbox.write)
             headers[CORRELATION_HEADER] = correlation.for_publish()
     if contract.sensitive:

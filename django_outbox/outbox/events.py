@@ -158,7 +158,13 @@ def write(
     # The trace context goes into the stored headers: the relay continues it later.
     with tracing.outbox_write(task_name, str(event_id), idempotency_key, all_headers):
         message = _prepared(
-            task_name, str(event_id), stored_args, stored_kwargs, all_headers, stored_options
+            task_name,
+            str(event_id),
+            stored_args,
+            stored_kwargs,
+            all_headers,
+            stored_options,
+            idempotency_key,
         )
         if connection.vendor == "postgresql":
             _insert_postgresql(
@@ -191,6 +197,7 @@ def _prepared(
     kwargs: dict[str, Any],
     headers: dict[str, Any],
     options: dict[str, Any],
+    key: str,
 ) -> prepared.Prepared | None:
     """The event's prepared message (``EXPLICIT_OUTBOX_PREPARED_MESSAGES``), or None: the
     relay builds it from the row, as it does without the setting."""
@@ -200,7 +207,7 @@ def _prepared(
     if task is None:
         return None
     try:
-        return prepared.prepare(task, event_id, tuple(args), kwargs, headers, options)
+        return prepared.prepare(task, event_id, tuple(args), kwargs, headers, options, key=key)
     except Exception as exc:
         # The row is written either way, and its columns are the event: a message that
         # fails to build here is the relay's to build, or to refuse with the event's

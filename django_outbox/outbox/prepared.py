@@ -10,8 +10,8 @@ publishes about three times as many events a second (P3b in docs/performance.md)
 writer spends about twice the CPU an event, and a row carries about 1 kB more.
 
 **What is built.** Celery's message, by the relay's own send path
-(``celery_send.Batch.build``: ``create_task_message``, our headers stamped by
-``celery_explicit.headers.stamp``, the route resolved), then what Celery's
+(``celery_send.Batch.build``: our headers stamped by ``celery_explicit.headers.stamp``,
+``create_task_message``, the route resolved), then what Celery's
 ``send_task_message`` and kombu's ``Producer.publish``, ``Channel.prepare_message``,
 ``_inplace_augment_message`` and the Redis ``_put`` do with it, written out here
 (``envelope``) from kombu's own serializer, body codec and JSON encoder.
@@ -61,7 +61,7 @@ from kombu.serialization import dumps as serialize
 from kombu.transport.virtual.base import Base64
 from kombu.utils.json import dumps
 
-from celery_explicit.headers import PUBLISHED_VIA_HEADER, SENT_AT_HEADER, stamp
+from celery_explicit.headers import PUBLISHED_VIA_HEADER, SENT_AT_HEADER
 from celery_explicit.versions import __version__
 from django_outbox.checks.broker import REDIS_URL_SCHEMES
 from django_outbox.outbox.relay.celery_send import Batch, Plan
@@ -121,9 +121,13 @@ def prepare(
     kwargs: dict[str, Any],
     headers: dict[str, Any],
     options: dict[str, Any],
+    *,
+    key: str = "",
 ) -> Prepared | None:
     """The message to store with one event of ``task`` (its row's columns, which stay
-    as they are), or None where the relay must build it (module docstring)."""
+    as they are), or None where the relay must build it (module docstring). ``key``:
+    the event's idempotency key, rendered by the writer's ``check_call`` from these
+    arguments (not rendered again)."""
     writer = _Writer.of(task.app)
     if (
         writer is None
@@ -136,12 +140,16 @@ def prepare(
     # splices in; a plain task's carries none, so the stored text would not fit it.
     if plan is None or not plan.explicit:
         return None
-    # What the relay would send (CeleryMessages.send), on copies: the row keeps its own.
-    headers = {PUBLISHED_VIA_HEADER: "outbox", **headers}
-    options = dict(options)
-    stamp(task, args, kwargs, headers, options)
+    # What the relay would send (CeleryMessages.send), on a copy: the row keeps its own.
     message, options, _ignore_result = writer.batch.build(
-        plan, task_id, args, kwargs, headers, options, reply_to=task.app.thread_oid
+        plan,
+        task_id,
+        args,
+        kwargs,
+        {PUBLISHED_VIA_HEADER: "outbox", **headers},
+        options,
+        reply_to=task.app.thread_oid,
+        key=key,
     )
     return envelope(message, options, **writer.settings)
 

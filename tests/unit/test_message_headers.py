@@ -204,6 +204,23 @@ def test_stamp_on_a_first_publish_and_on_a_re_publish(app) -> None:
     assert again == {**carried, SENT_AT_HEADER: again[SENT_AT_HEADER]}
 
 
+def test_stamp_takes_a_key_the_writer_rendered_without_binding_again(app) -> None:
+    # The outbox's writer has bound the arguments and rendered the key (check_call):
+    # the prepared message's stamp takes that key, and renders none of its own.
+    task = app.tasks["shop.capture_payment"]
+    headers: dict[str, Any] = {PUBLISHED_VIA_HEADER: "outbox"}
+    options: dict[str, Any] = {}
+    assert stamp(task, (7,), {"card_number": "4111"}, headers, options, key="k-7") is None
+    assert headers[KEY_HEADER] == "k-7"
+    assert headers[PUBLISHED_VIA_HEADER] == "outbox"
+    assert options["timestamp"] == int(headers[SENT_AT_HEADER])
+    assert options["kwargsrepr"] == repr({"card_number": REDACTED})
+    # Without it the same call renders the template's key.
+    rendered: dict[str, Any] = {}
+    stamp(task, (7,), {"card_number": "4111"}, rendered, {})
+    assert rendered[KEY_HEADER] != "k-7" and rendered[KEY_HEADER].startswith("payment:7")
+
+
 def test_stamp_refuses_bad_input_before_any_header(app) -> None:
     headers: dict[str, Any] = {}
     with pytest.raises(BadInput, match=r"shop\.capture_payment"):

@@ -47,6 +47,7 @@ from celery.utils.saferepr import saferepr
 from kombu.common import Broadcast
 
 from celery_explicit import versions
+from celery_explicit.headers import stamp
 
 __all__ = ["Batch", "Plan"]
 
@@ -134,9 +135,8 @@ class Batch:
         options: dict[str, Any],
     ) -> None:
         """What ``task.apply_async(args, kwargs, task_id=task_id, producer=...,
-        headers=headers, retry=False, **options)`` would send, sent the same way.
-        ``headers`` and ``options`` are the caller's, ours stamped on them already
-        (``celery_explicit.headers.stamp``)."""
+        headers=headers, retry=False, **options)`` would send, sent the same way
+        (``build``: our headers stamped on ``headers``)."""
         message, options, ignore_result = self.build(plan, task_id, args, kwargs, headers, options)
         options["declare"] = self._declare(options)
         producer = self.producer
@@ -155,12 +155,22 @@ class Batch:
         options: dict[str, Any],
         *,
         reply_to: str | None = None,
+        key: str = "",
     ) -> tuple[Any, dict[str, Any], Any]:
         """Celery's message for one event, the options ``send_task_message`` takes with
         it (routed: the queue resolved), and whether its result is ignored. Nothing is
         sent; a prepared message (``django_outbox.outbox.prepared``) is built from these,
-        with the writing thread's ``reply_to``."""
+        with the writing thread's ``reply_to``.
+
+        An ExplicitTask's message gets our headers and properties
+        (``celery_explicit.headers.stamp``, on ``headers`` in place and on a copy of
+        ``options``), as ``ExplicitTask.apply_async`` stamps them; ``key``: its
+        idempotency key, rendered from these arguments by this process already (the
+        outbox's writer), not rendered twice."""
         task = plan.task
+        options = dict(options)
+        if plan.explicit:
+            stamp(task, args, kwargs, headers, options, key=key)
         if not plan.explicit and task.typing:
             check = getattr(task, "__header__", None)
             if check is not None:

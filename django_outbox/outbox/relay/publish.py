@@ -41,7 +41,6 @@ from celery_explicit.headers import (
     CORRELATION_HEADER,
     KEY_HEADER,
     PUBLISHED_VIA_HEADER,
-    stamp,
 )
 from celery_explicit.metrics import dead_letters as dead_letters_total
 from celery_explicit.retry_policy import backoff_delay
@@ -367,9 +366,6 @@ class CeleryMessages:
                 retry=False,
                 **options,
             )
-        options = dict(options)
-        if plan.explicit:
-            stamp(task, args, kwargs, headers, options)
         self.celery.send_task(plan, task_id, args, kwargs, headers, options)
         return None
 
