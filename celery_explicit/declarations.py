@@ -64,7 +64,8 @@ def check_key_fields(
                 attr,
             )
     else:
-        fields, key_takes_kwargs = keys.callable_fields(key)
+        names, key_takes_kwargs = keys.callable_fields(key)
+        fields = tuple(names)
         if key_takes_kwargs and not fields:
             return
         if not fields:

@@ -4,7 +4,8 @@ A benchmark's references are hand-written copies of our statements (the floor se
 the execution lease's functions and the attempt row by hand): when our side changes,
 a copy left behind fails, and a worker's failed jobs only slow a round down. So the
 two benchmarks with hand-written references, ``throughput.py --floor`` and
-``relay_throughput.py``, run here at a tiny scale through their own entry points and
+``relay_throughput.py``, and the opcode count beside the floor
+(``opcodes_per_job.py``) run here at a tiny scale through their own entry points and
 must end cleanly: a bench worker that logged an error makes its benchmark exit
 non-zero (``bench.common.check_workers``). Figures are not looked at: no test asserts
 a timing.
@@ -68,6 +69,26 @@ def test_relay_bench_runs_its_references_by_hand() -> None:
         "the writer's price",
     ):
         assert line in output, output
+
+
+@pytest.mark.timeout(300)
+def test_opcode_bench_counts_each_side_in_the_order_of_what_it_does() -> None:
+    output = run(
+        [sys.executable, "bench/opcodes_per_job.py", "--jobs", "2", "--top", "5"],
+        timeout=280,
+        cwd=ROOT,
+        env=BENCH_ENV,
+    )
+    counts = {
+        line.split()[0]: int(line.split()[1])
+        for line in output.splitlines()
+        if line.startswith("  ") and line.split()[0] in ("plain", "floor", "explicit")
+    }
+    # The floor sends the ExplicitTask's statements by hand, the plain task one update:
+    # a tracer that counted nothing, or one side run in place of another, breaks this.
+    assert 0 < counts["plain"] < counts["floor"] < counts["explicit"], output
+    ours = int(output.split("ours in the ExplicitTask's job: ", 1)[1].split()[0])
+    assert 0 < ours < counts["explicit"] - counts["plain"], output
 
 
 def test_a_worker_that_logged_a_failed_job_stops_the_benchmark(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from celery_explicit.keys import fingerprint, render_key, template_fields
 
 
 def test_template_fields_take_the_root_name() -> None:
-    assert template_fields("order:{order.id}:{items[0]}:{kind}") == ["order", "items", "kind"]
+    assert template_fields("order:{order.id}:{items[0]}:{kind}") == ("order", "items", "kind")
 
 
 def test_render_key_uses_given_arguments() -> None:

@@ -71,8 +71,8 @@ def test_the_sha256_filter_renders_a_full_digest_of_the_value_or_its_attribute()
     assert keys.render_key("t", "{o[k]|sha256}:{p}", {"o": {"k": "v"}, "p": 1}) == (
         hashlib.sha256(b"v").hexdigest() + ":1"
     )
-    assert keys.template_field_uses("a:{x|sha256}:{y.z}") == [("x", True), ("y", False)]
-    assert keys.template_fields("a:{x|sha256}") == ["x"]
+    assert keys.template_field_uses("a:{x|sha256}:{y.z}") == (("x", True), ("y", False))
+    assert keys.template_fields("a:{x|sha256}") == ("x",)
 
 
 def test_an_unknown_filter_is_refused() -> None:

@@ -1,0 +1,118 @@
+"""Python opcodes a job runs in this process: a plain task, the floor, an ExplicitTask.
+
+The same three tasks as ``cpu_per_job.py`` (P1c), each run through Celery's tracer in
+this process against the real PostgreSQL and Redis, counted by ``sys.settrace`` with
+``f_trace_opcodes``: every bytecode instruction Python runs for a job, in Celery, in
+Django, in redis-py, in ours. A count, not a time: the machine's speed, which moves a
+CPU figure by half between hours here, does not move it, so a change to our Python of
+a few µs a job shows as the same number in every run. The time an opcode costs differs
+(a call to C counts one), so it ranks where our Python goes; the µs are P1c's.
+
+    scripts/bench opcodes_per_job.py [--jobs 20] [--top 30]
+
+Prints the opcodes a job of each side runs, the ExplicitTask's over the floor's by file,
+and the functions of ours that run the most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import uuid
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from common import reset_rows, setup_django
+
+SITE = os.sep + "site-packages" + os.sep
+OURS = ("celery_explicit", "django_outbox")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=20)
+    parser.add_argument("--top", type=int, default=30)
+    options = parser.parse_args()
+    setup_django()
+
+    from celery import signals
+    from celery.app import trace
+
+    from bench.benchapp.tasks import ExplicitUpdate, floor_update, plain_update
+
+    # As cpu_per_job.py: this process stands for a prefork pool child.
+    trace.setup_worker_optimizations(plain_update.app, "bench@opcodes")
+    signals.worker_process_init.send(sender=None)
+    reset_rows()
+    explicit = ExplicitUpdate()
+    sides: dict[str, Callable[[int], Any]] = {
+        "plain": lambda i: plain_update.apply(args=[i % 100, uuid.uuid4().hex]),
+        "floor": lambda i: floor_update.apply(args=[i % 100, uuid.uuid4().hex]),
+        "explicit": lambda i: explicit.apply(args=[i % 100, uuid.uuid4().hex]),
+    }
+    for fn in sides.values():  # warm-up: connections, scripts loaded, caches filled
+        for i in range(100):
+            fn(i)
+
+    counted = {name: _count(fn, options.jobs) for name, fn in sides.items()}
+    print(f"Python opcodes a job, {options.jobs} jobs each")
+    for name, by_function in counted.items():
+        print(f"  {name:<9} {sum(by_function.values()) / options.jobs:8.0f}")
+
+    def by_file(name: str) -> collections.Counter[str]:
+        files: collections.Counter[str] = collections.Counter()
+        for (path, _function), n in counted[name].items():
+            files[path] += n
+        return files
+
+    explicit_files, floor_files = by_file("explicit"), by_file("floor")
+    print("the ExplicitTask over the floor, by file (opcodes a job)")
+    over = {
+        p: (explicit_files[p] - floor_files[p]) / options.jobs for p in explicit_files | floor_files
+    }
+    for path, n in sorted(over.items(), key=lambda item: -abs(item[1]))[: options.top]:
+        print(f"  {n:+7.0f}  {path}")
+    ours = {
+        key: n / options.jobs for key, n in counted["explicit"].items() if key[0].startswith(OURS)
+    }
+    print(f"ours in the ExplicitTask's job: {sum(ours.values()):.0f} opcodes a job; the most:")
+    for (path, function), n in sorted(ours.items(), key=lambda item: -item[1])[: options.top]:
+        print(f"  {n:7.0f}  {path}:{function}")
+
+
+def _count(fn: Callable[[int], Any], jobs: int) -> collections.Counter[tuple[str, str]]:
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def on_call(frame: FrameType, event: str, _arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        return on_opcode
+
+    def on_opcode(frame: FrameType, event: str, _arg: Any) -> Any:
+        if event == "opcode":
+            code = frame.f_code
+            counts[(_short(code.co_filename), code.co_name)] += 1
+        return on_opcode
+
+    sys.settrace(on_call)
+    try:
+        for i in range(jobs):
+            fn(i)
+    finally:
+        sys.settrace(None)
+    return counts
+
+
+def _short(path: str) -> str:
+    """A file's path from its package: ``celery/app/trace.py``, ``celery_explicit/keys.py``."""
+    if SITE in path:
+        return path.split(SITE, 1)[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    return path.removeprefix(root)
+
+
+if __name__ == "__main__":
+    main()
