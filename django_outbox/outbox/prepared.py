@@ -6,8 +6,9 @@ bytes kombu's Redis transport would push for it, and stores them on the row
 (``OutboxEvent.message``, with ``message_format``). The relay then claims, pushes those
 bytes in one Redis pipeline, marks and commits: no Celery or kombu work per event, and
 none of ours but three string joins. ``scripts/bench relay_throughput.py``: the relay
-publishes about three times as many events a second (P3b in docs/performance.md); the
-writer spends about twice the CPU an event, and a row carries about 1 kB more.
+publishes two to three times as many events a second (P3b in docs/performance.md); the
+writer spends about one and a half times the CPU an event, and a row carries about
+1 kB more.
 
 **What is built.** Celery's message, by the relay's own send path
 (``celery_send.Batch.build``: our headers stamped by ``celery_explicit.headers.stamp``,
