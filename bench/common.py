@@ -8,7 +8,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DB_NAME = os.environ.get("EXPLICIT_BENCH_DB", "explicit_bench")
@@ -55,6 +58,29 @@ def reset_rows() -> None:
     Attempt.objects.all().delete()
     Row.objects.bulk_create(Row(id=i) for i in range(100))
     vacuum()
+
+
+def pool_child_jobs(hostname: str) -> dict[str, Callable[[int], Any]]:
+    """The plain task, the floor and the ExplicitTask, each run in this process through
+    Celery's tracer (``task.apply()``), with this process made to stand for a prefork
+    pool child: Celery's ``setup_worker_optimizations`` (the worker's main process runs
+    it before it forks), then ``worker_process_init`` as billiard's child sends it
+    (``EXPLICIT_BENCH_POOL_CHILD=0`` leaves it out). The rows are reset first."""
+    from celery import signals
+    from celery.app import trace
+
+    from bench.benchapp.tasks import ExplicitUpdate, floor_update, plain_update
+
+    trace.setup_worker_optimizations(plain_update.app, hostname)
+    if os.environ.get("EXPLICIT_BENCH_POOL_CHILD", "1") != "0":
+        signals.worker_process_init.send(sender=None)
+    reset_rows()
+    explicit = ExplicitUpdate()
+    return {
+        "plain": lambda i: plain_update.apply(args=[i % 100, uuid.uuid4().hex]),
+        "floor": lambda i: floor_update.apply(args=[i % 100, uuid.uuid4().hex]),
+        "explicit": lambda i: explicit.apply(args=[i % 100, uuid.uuid4().hex]),
+    }
 
 
 def start_worker(

@@ -29,14 +29,10 @@ so without it this process would count a push and a pop no worker makes.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
-import uuid
-from collections.abc import Callable
-from typing import Any
 
-from common import reset_rows, setup_django
+from common import pool_child_jobs, setup_django
 
 CHUNK = 100
 
@@ -48,22 +44,7 @@ def main() -> None:
     parser.add_argument("--profile", default="")
     options = parser.parse_args()
     setup_django()
-
-    from celery import signals
-    from celery.app import trace
-
-    from bench.benchapp.tasks import ExplicitUpdate, floor_update, plain_update
-
-    trace.setup_worker_optimizations(plain_update.app, "bench@p1c")
-    if os.environ.get("EXPLICIT_BENCH_POOL_CHILD", "1") != "0":
-        signals.worker_process_init.send(sender=None)
-    reset_rows()
-    explicit = ExplicitUpdate()
-    sides: dict[str, Callable[[int], Any]] = {
-        "plain": lambda i: plain_update.apply(args=[i % 100, uuid.uuid4().hex]),
-        "floor": lambda i: floor_update.apply(args=[i % 100, uuid.uuid4().hex]),
-        "explicit": lambda i: explicit.apply(args=[i % 100, uuid.uuid4().hex]),
-    }
+    sides = pool_child_jobs("bench@p1c")
     for fn in sides.values():  # warm-up: connections, scripts loaded, imports
         for i in range(200):
             fn(i)

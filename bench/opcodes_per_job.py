@@ -20,12 +20,11 @@ import argparse
 import collections
 import os
 import sys
-import uuid
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from common import reset_rows, setup_django
+from common import pool_child_jobs, setup_django
 
 SITE = os.sep + "site-packages" + os.sep
 OURS = ("celery_explicit", "django_outbox")
@@ -37,22 +36,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     options = parser.parse_args()
     setup_django()
-
-    from celery import signals
-    from celery.app import trace
-
-    from bench.benchapp.tasks import ExplicitUpdate, floor_update, plain_update
-
-    # As cpu_per_job.py: this process stands for a prefork pool child.
-    trace.setup_worker_optimizations(plain_update.app, "bench@opcodes")
-    signals.worker_process_init.send(sender=None)
-    reset_rows()
-    explicit = ExplicitUpdate()
-    sides: dict[str, Callable[[int], Any]] = {
-        "plain": lambda i: plain_update.apply(args=[i % 100, uuid.uuid4().hex]),
-        "floor": lambda i: floor_update.apply(args=[i % 100, uuid.uuid4().hex]),
-        "explicit": lambda i: explicit.apply(args=[i % 100, uuid.uuid4().hex]),
-    }
+    sides = pool_child_jobs("bench@opcodes")  # as cpu_per_job.py: a prefork pool child
     for fn in sides.values():  # warm-up: connections, scripts loaded, caches filled
         for i in range(100):
             fn(i)
