@@ -60,6 +60,18 @@ def reset_rows() -> None:
     vacuum()
 
 
+def raw_connection() -> Any:
+    """The bench database's psycopg connection, in autocommit, with the rows reset: for
+    statements sent through libpq by hand (effect_ceiling.py, effect_protocol.py)."""
+    from django.db import connection
+
+    reset_rows()
+    connection.ensure_connection()
+    raw = connection.connection
+    raw.autocommit = True
+    return raw
+
+
 def pool_child_jobs(hostname: str) -> dict[str, Callable[[int], Any]]:
     """The plain task, the floor and the ExplicitTask, each run in this process through
     Celery's tracer (``task.apply()``), with this process made to stand for a prefork

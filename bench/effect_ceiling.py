@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from common import reset_rows, setup_django
+from common import raw_connection, setup_django
 
 
 def main() -> None:
@@ -31,16 +31,12 @@ def main() -> None:
     setup_django()
 
     import psycopg
-    from django.db import connection
 
     from bench.benchapp.models import Row
     from django_outbox.db import ledger_sql
     from django_outbox.models import ProcessedOperation
 
-    reset_rows()
-    connection.ensure_connection()
-    raw = connection.connection
-    raw.autocommit = True
+    raw = raw_connection()
     pg = raw.pgconn
     quote = psycopg.ClientCursor(raw).mogrify
     row_table = Row._meta.db_table
