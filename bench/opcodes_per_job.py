@@ -18,16 +18,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import sys
 from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
-from common import pool_child_jobs, setup_django
-
-SITE = os.sep + "site-packages" + os.sep
-OURS = ("celery_explicit", "django_outbox")
+from common import OURS, count_opcodes, pool_child_jobs, setup_django
 
 
 def main() -> None:
@@ -41,7 +35,7 @@ def main() -> None:
         for i in range(100):
             fn(i)
 
-    counted = {name: _count(fn, options.jobs) for name, fn in sides.items()}
+    counted = {name: _jobs_counted(fn, options.jobs) for name, fn in sides.items()}
     print(f"Python opcodes a job, {options.jobs} jobs each")
     for name, by_function in counted.items():
         print(f"  {name:<9} {sum(by_function.values()) / options.jobs:8.0f}")
@@ -67,35 +61,12 @@ def main() -> None:
         print(f"  {n:7.0f}  {path}:{function}")
 
 
-def _count(fn: Callable[[int], Any], jobs: int) -> collections.Counter[tuple[str, str]]:
-    counts: collections.Counter[tuple[str, str]] = collections.Counter()
-
-    def on_call(frame: FrameType, event: str, _arg: Any) -> Any:
-        frame.f_trace_opcodes = True
-        frame.f_trace_lines = False
-        return on_opcode
-
-    def on_opcode(frame: FrameType, event: str, _arg: Any) -> Any:
-        if event == "opcode":
-            code = frame.f_code
-            counts[(_short(code.co_filename), code.co_name)] += 1
-        return on_opcode
-
-    sys.settrace(on_call)
-    try:
+def _jobs_counted(fn: Callable[[int], Any], jobs: int) -> collections.Counter[tuple[str, str]]:
+    def run() -> None:
         for i in range(jobs):
             fn(i)
-    finally:
-        sys.settrace(None)
-    return counts
 
-
-def _short(path: str) -> str:
-    """A file's path from its package: ``celery/app/trace.py``, ``celery_explicit/keys.py``."""
-    if SITE in path:
-        return path.split(SITE, 1)[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    return path.removeprefix(root)
+    return count_opcodes(run)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,12 @@ Also at the largest batch size, three references with no code of ours:
   the CPU an event costs ``publish_event`` in ``atomic()``, with the setting off and on.
 
     scripts/bench relay_throughput.py [--events 5000] [--rounds 3] [--batch-sizes 10,100,500]
+    scripts/bench relay_throughput.py --opcodes [--events 500] [--top 15]
+
+``--opcodes`` times nothing: it counts the Python opcodes an event costs the relay
+(``sys.settrace``, as ``opcodes_per_job.py``), building its message and pushing a
+prepared one, at the largest batch size, with the functions of ours that run the most:
+the same count on every run whatever the machine's speed.
     make bench-p3
 """
 
@@ -49,7 +55,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from common import per_round, setup_django, summary, vacuum
+from common import OURS, count_opcodes, per_round, setup_django, summary, vacuum
 
 
 def main() -> None:
@@ -57,6 +63,8 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-sizes", default="10,100,500")
+    parser.add_argument("--opcodes", action="store_true", help="count opcodes, time nothing")
+    parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     queue = f"bench-{uuid.uuid4().hex[:8]}"
@@ -290,6 +298,32 @@ def main() -> None:
             elapsed = time.perf_counter() - start
         assert broker.llen(queue) == n
         return n / elapsed
+
+    if args.opcodes:
+        largest = max(batch_sizes)
+        relay_rate(largest)  # warm-up: connections, imports
+        relay_rate(largest, prepared=True)
+        try:
+            for label, prepared_on in (("building", False), ("prepared", True)):
+                fill(prepared_on)
+                broker.delete(queue)
+                relay = Relay(batch_size=largest, notify_channel="")
+                counted = count_opcodes(relay.drain)
+                relay.close()
+                assert broker.llen(queue) == n
+                broker.delete(queue)
+                ours = {key: c for key, c in counted.items() if key[0].startswith(OURS)}
+                print(
+                    f"relay, {label} messages, batch {largest}: "
+                    f"{sum(counted.values()) / n:.1f} opcodes an event, "
+                    f"{sum(ours.values()) / n:.1f} of them ours; the most:"
+                )
+                for (path, function), c in sorted(ours.items(), key=lambda i: -i[1])[: args.top]:
+                    print(f"  {c / n:7.1f}  {path}:{function}")
+        finally:
+            broker.delete(queue)
+            OutboxEvent.objects.all().delete()
+        return
 
     relay_rate(100)  # warm-up: connections, imports
     raw_rate(False)

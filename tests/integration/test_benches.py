@@ -4,16 +4,17 @@ A benchmark's references are hand-written copies of our statements (the floor se
 the execution lease's functions and the attempt row by hand): when our side changes,
 a copy left behind fails, and a worker's failed jobs only slow a round down. So the
 two benchmarks with hand-written references, ``throughput.py --floor`` and
-``relay_throughput.py``, and the opcode count beside the floor
-(``opcodes_per_job.py``) run here at a tiny scale through their own entry points and
-must end cleanly: a bench worker that logged an error makes its benchmark exit
-non-zero (``bench.common.check_workers``). Figures are not looked at: no test asserts
-a timing.
+``relay_throughput.py``, and the opcode counts beside the floor
+(``opcodes_per_job.py``) and of the relay (``relay_throughput.py --opcodes``) run
+here at a tiny scale through their own entry points and must end cleanly: a bench
+worker that logged an error makes its benchmark exit non-zero
+(``bench.common.check_workers``). Figures are not looked at: no test asserts a timing.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,35 @@ def test_opcode_bench_counts_each_side_in_the_order_of_what_it_does() -> None:
     assert 0 < counts["plain"] < counts["floor"] < counts["explicit"], output
     ours = int(output.split("ours in the ExplicitTask's job: ", 1)[1].split()[0])
     assert 0 < ours < counts["explicit"] - counts["plain"], output
+
+
+@pytest.mark.timeout(300)
+def test_relay_opcode_count_puts_the_prepared_relay_under_the_building_one() -> None:
+    output = run(
+        [
+            sys.executable,
+            "bench/relay_throughput.py",
+            *("--opcodes", "--events", "50", "--batch-sizes", "50", "--top", "40"),
+        ],
+        timeout=280,
+        cwd=ROOT,
+        env=BENCH_ENV,
+    )
+    counts = {
+        found[1]: (float(found[2]), float(found[3]))
+        for found in re.finditer(
+            r"^(relay, [^:]+): ([\d.]+) opcodes an event, ([\d.]+) of them ours", output, re.M
+        )
+    }
+    building = counts["relay, building messages, batch 50"]
+    pushed = counts["relay, prepared messages, batch 50"]
+    # Each: opcodes an event, then ours among them. The prepared relay builds nothing.
+    assert 0 < pushed[1] < pushed[0] < building[0], output
+    assert 0 < building[1] < building[0], output
+    prepared_part = output.split("relay, prepared messages", 1)[1]
+    assert "relay/celery_send.py" in output.split("relay, prepared messages", 1)[0]
+    # Nor does it parse the rows' stored arguments (Claimed.call): it pushes the bytes.
+    assert "relay/claim.py:parse" not in prepared_part, output
 
 
 def test_a_worker_that_logged_a_failed_job_stops_the_benchmark(tmp_path: Path) -> None:

@@ -221,6 +221,46 @@ def test_a_relay_batch_of_stored_unstored_and_unreadable_messages(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_prepared_rows_columns_are_read_only_when_its_message_is_built(
+    queue: str, redis_client: redis.Redis, pushed: list[str]
+) -> None:
+    """The relay pushes a stored message without parsing the row's JSON columns: a row
+    whose args column no longer has the relay's shape still goes out as stored. Built
+    instead (a before_task_publish receiver), the same row is a bad_input dead letter
+    naming the column, as an unstored one is."""
+    stored = write(Increment.name, queue, 2, prepared_on=True)
+    OutboxEvent.objects.filter(event_id__in=stored).update(args={"not": "a list"})
+    relay = Relay(batch_size=50, notify_channel="")
+    try:
+        assert relay.drain().published == 2
+        assert sorted(pushed) == sorted(stored)
+        sent = raw_messages(redis_client, queue)
+        assert sorted(m["headers"]["id"] for m in sent) == sorted(stored)
+
+        built = write(Increment.name, queue, 2, prepared_on=True)
+        unstored = write(Increment.name, queue, 1, prepared_on=False)
+        OutboxEvent.objects.filter(event_id__in=built + unstored).update(args={"not": "a list"})
+        before_task_publish.connect(_ignore)
+        try:
+            result = relay.drain()
+        finally:
+            before_task_publish.disconnect(_ignore)
+    finally:
+        relay.close()
+    assert (result.published, result.dead_lettered) == (0, 3), result
+    assert sorted(pushed) == sorted(stored)
+    letters = DeadLetter.objects.filter(task_id__in=built + unstored)
+    assert letters.count() == 3
+    assert {letter.error_message for letter in letters} == {
+        "outbox event columns have the wrong shape: args is dict, not list"
+    }
+
+
+def _ignore(**kwargs: Any) -> None:
+    """A before_task_publish receiver: its presence makes the relay build messages."""
+
+
+@pytest.mark.django_db(transaction=True)
 def test_the_publish_signals_fire_where_documented(
     queue: str, redis_client: redis.Redis, pushed: list[str]
 ) -> None:

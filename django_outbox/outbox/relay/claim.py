@@ -34,7 +34,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import connections
 from django.db.transaction import TransactionManagementError
@@ -50,6 +50,8 @@ __all__ = [
     "CLAIM_BEYOND_POSTGRESQL",
     "CLAIM_POSTGRESQL",
     "CLAIM_SQLITE",
+    "STORED_COLUMNS",
+    "Call",
     "Claimed",
     "claim_batch",
     "claim_sql",
@@ -62,33 +64,28 @@ def claim_sql(vendor: str) -> str:
     return CLAIM_POSTGRESQL if vendor == "postgresql" else CLAIM_SQLITE
 
 
-@dataclass(frozen=True)
-class Claimed:
-    """The columns of a claimed outbox row that publishing needs (no model instance:
-    building one per row costs more than the claim's own query)."""
+#: The four JSON columns a claimed row carries, in the claim's order: what the
+#: relay builds a message from (``Claimed.stored``).
+STORED_COLUMNS = ("args", "kwargs", "headers", "options")
 
-    id: int
-    event_id: str
-    task_name: str
+
+class Call(NamedTuple):
+    """The stored call of a claimed row, parsed: its arguments, headers and options,
+    and what is wrong with them (a malformed column is replaced by an empty one so the
+    dead letter can be written; the original stays on the outbox row). A named tuple:
+    built in C, once per event a relay builds."""
+
     args: list[Any]
     kwargs: dict[str, Any]
     headers: dict[str, Any]
     options: dict[str, Any]
-    ordering_key: str
-    attempts: int
-    created_at: datetime
     #: What is wrong with a row whose columns do not have the shapes the relay
     #: writes (an older row, a hand-made one): it is dead-lettered, not published.
     malformed: str = ""
-    #: The prepared broker message and its label (``django_outbox.outbox.prepared``);
-    #: "" when the relay builds the message.
-    message: str = ""
-    message_format: str = ""
 
     @classmethod
-    def from_row(cls, row: Sequence[Any]) -> Claimed:
-        id_, event_id, task_name, args, kwargs, headers, options = row[:7]
-        key, attempts, created, message, message_format = row[7:]
+    def parse(cls, stored: Sequence[Any]) -> Call:
+        args, kwargs, headers, options = stored
         if type(args) is type(kwargs) is type(headers) is type(options) is str:
             # Django's psycopg setup hands jsonb over as text: one parse for the four.
             args, kwargs, headers, options = json.loads(f"[{args},{kwargs},{headers},{options}]")
@@ -101,22 +98,7 @@ class Claimed:
             and isinstance(headers, dict)
             and isinstance(options, dict)
         ):
-            # Every row the relay writes: straight in (a relay builds 500 a batch).
-            return cls(
-                id_,
-                str(event_id),
-                task_name,
-                args,
-                kwargs,
-                headers,
-                options,
-                key,
-                attempts,
-                _aware(created),
-                "",
-                message or "",
-                message_format or "",
-            )
+            return cls(args, kwargs, headers, options)  # every row the relay writes
         values = {
             "args": (args, list),
             "kwargs": (kwargs, dict),
@@ -128,24 +110,83 @@ class Claimed:
             for name, (value, kind) in values.items()
             if not isinstance(value, kind)
         ]
-        # A malformed column is replaced by an empty one so the dead letter can be
-        # written; the original stays on the outbox row.
         clean = {
             name: value if isinstance(value, kind) else kind()
             for name, (value, kind) in values.items()
         }
+        return cls(malformed="; ".join(wrong), **clean)
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """The columns of a claimed outbox row that publishing needs (no model instance:
+    building one per row costs more than the claim's own query).
+
+    The four JSON columns (``stored``, ``STORED_COLUMNS``) are parsed on first use
+    (``call``): a row with a prepared message is pushed as stored and never needs them
+    unless it is dead-lettered or built after all, and parsing them cost a relay about
+    as much per event as marking the row published."""
+
+    id: int
+    event_id: str
+    task_name: str
+    #: args, kwargs, headers and options as the claim returned them (jsonb text, or
+    #: the decoded values): ``call`` parses them.
+    stored: tuple[Any, Any, Any, Any]
+    ordering_key: str
+    attempts: int
+    created_at: datetime
+    #: The prepared broker message and its label (``django_outbox.outbox.prepared``);
+    #: "" when the relay builds the message.
+    message: str = ""
+    message_format: str = ""
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> Claimed:
+        id_, event_id, task_name, args, kwargs, headers, options = row[:7]
+        key, attempts, created, message, message_format = row[7:]
         return cls(
-            id=id_,
-            event_id=str(event_id),
-            task_name=task_name,
-            ordering_key=key,
-            attempts=attempts,
-            created_at=_aware(created),
-            malformed="; ".join(wrong),
-            message=message or "",
-            message_format=message_format or "",
-            **clean,
+            id_,
+            str(event_id),
+            task_name,
+            (args, kwargs, headers, options),
+            key,
+            attempts,
+            _aware(created),
+            message or "",
+            message_format or "",
         )
+
+    @property
+    def call(self) -> Call:
+        """The stored columns parsed (once)."""
+        # Cached by hand: functools.cached_property takes a lock on every first read,
+        # which a relay building 500 messages a batch would pay for each.
+        parsed: Call | None = self.__dict__.get("_call")
+        if parsed is None:
+            parsed = Call.parse(self.stored)
+            object.__setattr__(self, "_call", parsed)
+        return parsed
+
+    @property
+    def args(self) -> list[Any]:
+        return self.call.args
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return self.call.kwargs
+
+    @property
+    def headers(self) -> dict[str, Any]:
+        return self.call.headers
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.call.options
+
+    @property
+    def malformed(self) -> str:
+        return self.call.malformed
 
 
 def run_claim(using: str, sql: str, limit: int, *, beyond: bool = False) -> list[Claimed]:

@@ -77,14 +77,12 @@ class PublishPolicy:
 
     def publish(self, event: Claimed, messages: CeleryMessages) -> OutboxStatus | None:
         """Publish one event; returns its new status, None if it stays pending."""
-        if event.malformed:
-            self.dead_letter(
-                event,
-                DeadLetterReason.BAD_INPUT,
-                error_class="django_outbox.outbox.relay.loop.MalformedEvent",
-                message=f"outbox event columns have the wrong shape: {event.malformed}",
-            )
-            return OutboxStatus.DEAD_LETTER
+        # A prepared message is pushed as stored, its columns unread (``Claimed.call``):
+        # they are parsed and checked only when the message is built from them.
+        if not event.message:
+            call = event.call
+            if call.malformed:
+                return self.refuse_malformed(event)
         task: Task[Any, Any] | None = messages.task(event.task_name)
         if task is None:
             self.dead_letter(
@@ -100,20 +98,23 @@ class PublishPolicy:
             outcome = self.publish_prepared(event, task, messages)
             if outcome is not None:
                 return outcome
+            call = event.call
+            if call.malformed:
+                return self.refuse_malformed(event)
         try:
             # A span continuing the row's stored trace; its context replaces the stored one.
             with (
-                tracing.relay_publish(event.task_name, str(event_id), event.headers)
+                tracing.relay_publish(event.task_name, str(event_id), call.headers)
                 if messages.traced
-                else nullcontext(event.headers)
+                else nullcontext(call.headers)
             ) as headers:
                 sent = messages.send(
                     task,
                     event_id,
-                    tuple(event.args),
-                    event.kwargs,
+                    tuple(call.args),
+                    call.kwargs,
                     {PUBLISHED_VIA_HEADER: "outbox", **headers},
-                    event.options,
+                    call.options,
                 )
         except BadInput as exc:
             self.dead_letter(
@@ -139,6 +140,16 @@ class PublishPolicy:
         if sent is not None and getattr(sent, "id", event_id) != event_id:
             return OutboxStatus.DEDUPLICATED
         return OutboxStatus.PUBLISHED
+
+    def refuse_malformed(self, event: Claimed) -> OutboxStatus:
+        """Dead-letter an event whose columns do not have the shapes the relay writes."""
+        self.dead_letter(
+            event,
+            DeadLetterReason.BAD_INPUT,
+            error_class="django_outbox.outbox.relay.loop.MalformedEvent",
+            message=f"outbox event columns have the wrong shape: {event.malformed}",
+        )
+        return OutboxStatus.DEAD_LETTER
 
     def publish_prepared(
         self, event: Claimed, task: Task[Any, Any], messages: CeleryMessages
