@@ -93,7 +93,7 @@ def lock_label(family: Any) -> str:
 BOUNDED_LABELS: dict[str, Callable[[Any], str]] = {"task": task_label, "lock": lock_label}
 
 
-_ONLY_STR = {str}
+_ONLY_STR = frozenset({str})
 
 
 class _Bounded(MetricWrapperBase):
