@@ -32,14 +32,14 @@ pytestmark = pytest.mark.worker
 BENCH_ENV = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings"}
 
 
+def bench(script: str, *args: str) -> str:
+    """Run ``bench/<script>`` with ``args`` through its own entry point; its output."""
+    return run([sys.executable, f"bench/{script}", *args], timeout=280, cwd=ROOT, env=BENCH_ENV)
+
+
 @pytest.mark.timeout(300)
 def test_throughput_bench_runs_every_side_with_no_failed_job() -> None:
-    output = run(
-        [sys.executable, "bench/throughput.py", "--floor", "--tasks", "20", "--rounds", "1"],
-        timeout=280,
-        cwd=ROOT,
-        env=BENCH_ENV,
-    )
+    output = bench("throughput.py", "--floor", "--tasks", "20", "--rounds", "1")
     for line in (
         "P1 ratio",
         "P1a ExplicitTask / floor",
@@ -52,15 +52,8 @@ def test_throughput_bench_runs_every_side_with_no_failed_job() -> None:
 
 @pytest.mark.timeout(300)
 def test_relay_bench_runs_its_references_by_hand() -> None:
-    output = run(
-        [
-            sys.executable,
-            "bench/relay_throughput.py",
-            *("--events", "200", "--rounds", "1", "--batch-sizes", "50"),
-        ],
-        timeout=280,
-        cwd=ROOT,
-        env=BENCH_ENV,
+    output = bench(
+        "relay_throughput.py", *("--events", "200", "--rounds", "1", "--batch-sizes", "50")
     )
     for line in (
         "relay, batch size 50",
@@ -74,12 +67,7 @@ def test_relay_bench_runs_its_references_by_hand() -> None:
 
 @pytest.mark.timeout(300)
 def test_opcode_bench_counts_each_side_in_the_order_of_what_it_does() -> None:
-    output = run(
-        [sys.executable, "bench/opcodes_per_job.py", "--jobs", "2", "--top", "5"],
-        timeout=280,
-        cwd=ROOT,
-        env=BENCH_ENV,
-    )
+    output = bench("opcodes_per_job.py", "--jobs", "2", "--top", "5")
     counts = {
         line.split()[0]: int(line.split()[1])
         for line in output.splitlines()
@@ -94,15 +82,9 @@ def test_opcode_bench_counts_each_side_in_the_order_of_what_it_does() -> None:
 
 @pytest.mark.timeout(300)
 def test_relay_opcode_count_puts_the_prepared_relay_under_the_building_one() -> None:
-    output = run(
-        [
-            sys.executable,
-            "bench/relay_throughput.py",
-            *("--opcodes", "--events", "50", "--batch-sizes", "50", "--top", "40"),
-        ],
-        timeout=280,
-        cwd=ROOT,
-        env=BENCH_ENV,
+    output = bench(
+        "relay_throughput.py",
+        *("--opcodes", "--events", "50", "--batch-sizes", "50", "--top", "40"),
     )
     counts = {
         found[1]: (float(found[2]), float(found[3]))
