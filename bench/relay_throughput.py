@@ -35,17 +35,18 @@ Also at the largest batch size, three references with no code of ours:
 
     scripts/bench relay_throughput.py [--events 5000] [--rounds 3] [--batch-sizes 10,100,500]
     scripts/bench relay_throughput.py --opcodes [--events 500] [--top 15]
+    make bench-p3
 
 ``--opcodes`` times nothing: it counts the Python opcodes an event costs the relay
 (``sys.settrace``, as ``opcodes_per_job.py``), building its message and pushing a
 prepared one, at the largest batch size, with the functions of ours that run the most:
 the same count on every run whatever the machine's speed.
-    make bench-p3
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -111,13 +112,22 @@ def main() -> None:
             for i in range(n)
         )
 
-    def relay_rate(batch_size: int, prepared: bool = False) -> float:
+    def relay_rate(
+        batch_size: int, prepared: bool = False, opcodes: collections.Counter[Any] | None = None
+    ) -> float:
+        """The relay's events/s over the backlog; with ``opcodes``, the drain is run
+        under ``count_opcodes`` and its count added there (the rate is then not one)."""
         fill(prepared)
         broker.delete(queue)
         relay = Relay(batch_size=batch_size, notify_channel="")
+        drained = []
         start = time.perf_counter()
-        result = relay.drain()
+        if opcodes is None:
+            drained.append(relay.drain())
+        else:
+            opcodes.update(count_opcodes(lambda: drained.append(relay.drain())))
         elapsed = time.perf_counter() - start
+        result = drained[0]
         assert result.published == n, result
         assert broker.llen(queue) == n
         relay.close()
@@ -305,13 +315,8 @@ def main() -> None:
         relay_rate(largest, prepared=True)
         try:
             for label, prepared_on in (("building", False), ("prepared", True)):
-                fill(prepared_on)
-                broker.delete(queue)
-                relay = Relay(batch_size=largest, notify_channel="")
-                counted = count_opcodes(relay.drain)
-                relay.close()
-                assert broker.llen(queue) == n
-                broker.delete(queue)
+                counted: collections.Counter[tuple[str, str]] = collections.Counter()
+                relay_rate(largest, prepared_on, counted)
                 ours = {key: c for key, c in counted.items() if key[0].startswith(OURS)}
                 print(
                     f"relay, {label} messages, batch {largest}: "

@@ -64,9 +64,10 @@ def claim_sql(vendor: str) -> str:
     return CLAIM_POSTGRESQL if vendor == "postgresql" else CLAIM_SQLITE
 
 
-#: The four JSON columns a claimed row carries, in the claim's order: what the
-#: relay builds a message from (``Claimed.stored``).
-STORED_COLUMNS = ("args", "kwargs", "headers", "options")
+#: The four JSON columns a claimed row carries, in the claim's order, and the shape
+#: the relay writes each in: what it builds a message from (``Claimed.stored``).
+_SHAPES: dict[str, type] = {"args": list, "kwargs": dict, "headers": dict, "options": dict}
+STORED_COLUMNS = tuple(_SHAPES)
 
 
 class Call(NamedTuple):
@@ -99,20 +100,15 @@ class Call(NamedTuple):
             and isinstance(options, dict)
         ):
             return cls(args, kwargs, headers, options)  # every row the relay writes
-        values = {
-            "args": (args, list),
-            "kwargs": (kwargs, dict),
-            "headers": (headers, dict),
-            "options": (options, dict),
-        }
+        values = dict(zip(STORED_COLUMNS, (args, kwargs, headers, options), strict=True))
         wrong = [
-            f"{name} is {type(value).__name__}, not {kind.__name__}"
-            for name, (value, kind) in values.items()
-            if not isinstance(value, kind)
+            f"{name} is {type(values[name]).__name__}, not {kind.__name__}"
+            for name, kind in _SHAPES.items()
+            if not isinstance(values[name], kind)
         ]
         clean = {
-            name: value if isinstance(value, kind) else kind()
-            for name, (value, kind) in values.items()
+            name: values[name] if isinstance(values[name], kind) else kind()
+            for name, kind in _SHAPES.items()
         }
         return cls(malformed="; ".join(wrong), **clean)
 

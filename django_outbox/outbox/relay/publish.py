@@ -79,10 +79,8 @@ class PublishPolicy:
         """Publish one event; returns its new status, None if it stays pending."""
         # A prepared message is pushed as stored, its columns unread (``Claimed.call``):
         # they are parsed and checked only when the message is built from them.
-        if not event.message:
-            call = event.call
-            if call.malformed:
-                return self.refuse_malformed(event)
+        if not event.message and event.call.malformed:
+            return self.refuse_malformed(event)
         task: Task[Any, Any] | None = messages.task(event.task_name)
         if task is None:
             self.dead_letter(
@@ -98,9 +96,9 @@ class PublishPolicy:
             outcome = self.publish_prepared(event, task, messages)
             if outcome is not None:
                 return outcome
-            call = event.call
-            if call.malformed:
+            if event.call.malformed:
                 return self.refuse_malformed(event)
+        call = event.call
         try:
             # A span continuing the row's stored trace; its context replaces the stored one.
             with (
